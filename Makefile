@@ -1,0 +1,31 @@
+# One-command set-up: `make demo` runs the main job, `make test` runs the tests.
+# Each target creates .venv and installs what it needs on first use.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned so a CPU machine takes the CPU build that lies on local disk (a bare `torch` pulls a CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e ".[train,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hf-loops demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check hf_loops tests
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

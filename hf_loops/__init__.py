@@ -1,0 +1,32 @@
+"""hf_loops: looped transformers as Hugging Face `transformers` model plugins.
+
+Importing the package registers every architecture with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
+from .modeling.modeling_tah2 import TaH2Cache, TaH2CausalLMOutput, TaH2ForCausalLM, TaH2Model, TaH2PreTrainedModel
+
+__version__ = "0.1.0"
+
+
+def _register(config_cls, base_cls, lm_cls) -> None:
+    AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+    AutoModel.register(config_cls, base_cls, exist_ok=True)
+    AutoModelForCausalLM.register(config_cls, lm_cls, exist_ok=True)
+
+
+_register(TaH2Config, TaH2Model, TaH2ForCausalLM)
+
+# --- other architectures register below (one block each) ---
+
+__all__ = [
+    "TAH2_PRESETS",
+    "TaH2Cache",
+    "TaH2CausalLMOutput",
+    "TaH2Config",
+    "TaH2ForCausalLM",
+    "TaH2Model",
+    "TaH2PreTrainedModel",
+]

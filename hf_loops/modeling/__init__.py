@@ -1,0 +1,1 @@
+"""Model files. Flat, single-dot relative imports only: they ship as Hub remote code."""
