@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from ..modeling.configuration_tah2 import TaH2Config
 from ..modeling.modeling_tah2 import TaH2ForCausalLM
+from ..modeling.configuration_spiralformer import SpiralFormerConfig
+from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
+from ..modeling.configuration_sgt import SGTConfig
+from ..modeling.modeling_sgt import SGTForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     "tah2": (TaH2Config, TaH2ForCausalLM),
+    "spiralformer": (SpiralFormerConfig, SpiralFormerForCausalLM),
+    "sgt": (SGTConfig, SGTForCausalLM),
 }
 
 

@@ -1,26 +1,799 @@
-"""TEMPORARY STUB — being replaced by the real TaH2 implementation (in progress)."""
-from transformers import PreTrainedModel
+"""TaH2: adaptive looped Qwen3 (spec: shared/specs/tah2.md).
+
+The whole Qwen3 backbone is re-applied up to M times per token:
+
+    h(1)   = F(e)                        e = embed(x), F = all decoder layers + final norm
+    h(m+1) = F(U(e, h(m)))               U = updater (Eq. 9), only for tokens whose decider says "continue"
+    g(m)   = decider(e, h(m), topk(q(m)))  continue iff g > τ (Eq. 10)
+    q      = Σ_m ω(m) q(m)               stopping-weighted mixture (Eq. 4), computed in log space in fp32
+
+Attention across iterations is "duo-causal": every token's depth-m states live in a key/value *stream* m−1; a query
+at depth d sees the streams its `iteration_attention` mode allows (see `iteration_visibility`). Deeper streams are
+sparse: only tokens that ran that depth have entries, so a token costs as many KV entries as depths it executed.
+
+This file ships as Hub remote code: it imports only torch, transformers and its siblings.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.cache_utils import DynamicCache
-from .configuration_tah2 import TaH2Config
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, ModelOutput
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
+from .loop_utils import additive_mask, ensure_cache_slots, plain_attention_mask, positions_from_mask, sequence_ids_from_positions
+
+VISIBILITY_MODES = ITERATION_ATTENTION_MODES + ("duo_posterior",)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Visibility predicates (spec §2.5)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def iteration_visibility(
+    mode: str,
+    query_pos: torch.Tensor,
+    query_iter: int | torch.Tensor,
+    key_pos: torch.Tensor,
+    key_iter: torch.Tensor,
+    key_valid: torch.Tensor,
+    key_continue: torch.Tensor | None = None,
+    query_seq: torch.Tensor | None = None,
+    key_seq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which keys each query may attend to, as a (B, Tq, S) bool tensor.
+
+    Queries carry their RoPE position and stream index d (0-based depth); keys carry position, stream index, validity
+    (real token, not padding), and for `duo_posterior` whether the key token really executed the next depth.
+
+    | mode          | visible(k, q)                                                    |
+    | causal        | pos_k ≤ pos_q ∧ (iter_k = 0 ∨ (pos_k = pos_q ∧ iter_k ≤ d))      |
+    | duo           | pos_k ≤ pos_q ∧ iter_k ≤ d                                       |
+    | duo_posterior | pos_k ≤ pos_q ∧ (iter_k < d ∨ continue_k ∨ pos_k = pos_q)        |
+    | same_iter     | pos_k ≤ pos_q ∧ iter_k = d                                       |
+
+    Every mode also requires valid_k, iter_k ≤ d, and (packed batches) seq_k = seq_q.
+    """
+    if mode not in VISIBILITY_MODES:
+        raise ValueError(f"iteration attention mode must be one of {list(VISIBILITY_MODES)}, got {mode!r}")
+    qp = query_pos[:, :, None]
+    kp = key_pos[:, None, :]
+    ki = key_iter[:, None, :] if key_iter.dim() == 2 else key_iter.view(1, 1, -1)
+    d = query_iter[:, :, None] if torch.is_tensor(query_iter) else query_iter
+    earlier_or_same = kp <= qp
+    own = kp == qp
+    if mode == "causal":
+        visible = (ki == 0) | (own & (ki <= d))
+    elif mode == "duo":
+        visible = ki <= d
+    elif mode == "same_iter":
+        visible = ki == d
+    else:
+        if key_continue is None:
+            raise ValueError("duo_posterior visibility needs key_continue (did the key token execute the next depth)")
+        visible = (ki < d) | key_continue[:, None, :] | own
+    visible = visible & earlier_or_same & (ki <= d) & key_valid[:, None, :]
+    if query_seq is not None and key_seq is not None:
+        visible = visible & (query_seq[:, :, None] == key_seq[:, None, :])
+    return visible
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cache: one DynamicLayer per (stream, layer) + one metadata layer per stream
+# ----------------------------------------------------------------------------------------------------------------------
 
 
 class TaH2Cache(DynamicCache):
-    pass
+    """KV cache of TaH2: one `DynamicLayer` per (stream j, layer l) inside `cache.layers`.
+
+    Layout: stream j occupies slots `j*(L+1) .. j*(L+1)+L-1` for its L layers and slot `j*(L+1)+L` for its metadata,
+    stored as a `DynamicLayer` too (keys = RoPE position, values = [valid, stream-0 index, executed depth], fp32), so
+    that every batch operation `generate` performs on `cache.layers` (beam reorder, repeat, select) moves metadata
+    and K/V together. Stream 0 is dense (every token); deeper streams hold only tokens that ran that depth, rows
+    right-padded with valid = 0. `get_seq_length()` reads stream 0 layer 0, i.e. counts tokens.
+
+    `generate` builds a plain `DynamicCache(config=...)`; the model adopts it in place (`TaH2Cache.adopt`), which adds
+    the slots and gives it this class's `crop`.
+    """
+
+    num_backbone_layers: int = 0
+
+    @classmethod
+    def adopt(cls, cache: Cache, num_backbone_layers: int) -> "TaH2Cache":
+        if not isinstance(cache, DynamicCache):
+            raise ValueError(
+                f"TaH2 needs a DynamicCache (its deeper streams grow by a data-dependent number of tokens); got "
+                f"{type(cache).__name__}. Use the default dynamic cache in generate."
+            )
+        if not isinstance(cache, TaH2Cache):
+            # Same state, TaH2's crop/metadata methods: the object generate holds keeps working in place.
+            cache.__class__ = TaH2Cache
+        if cache.num_backbone_layers not in (0, num_backbone_layers):
+            raise ValueError(
+                f"cache was built for {cache.num_backbone_layers} layers, the model has {num_backbone_layers}"
+            )
+        cache.num_backbone_layers = num_backbone_layers
+        ensure_cache_slots(cache, num_backbone_layers + 1)
+        return cache
+
+    # -- layout ------------------------------------------------------------------------------------------------------
+    def kv_slot(self, stream: int, layer_idx: int) -> int:
+        return stream * (self.num_backbone_layers + 1) + layer_idx
+
+    def meta_slot(self, stream: int) -> int:
+        return stream * (self.num_backbone_layers + 1) + self.num_backbone_layers
+
+    def ensure_streams(self, num_streams: int) -> None:
+        ensure_cache_slots(self, num_streams * (self.num_backbone_layers + 1))
+
+    @property
+    def num_streams(self) -> int:
+        n = 0
+        while self.meta_slot(n) < len(self.layers) and self.layers[self.meta_slot(n)].get_seq_length() > 0:
+            n += 1
+        return n
+
+    def kv_layer(self, stream: int, layer_idx: int) -> DynamicLayer:
+        self.ensure_streams(stream + 1)
+        return self.layers[self.kv_slot(stream, layer_idx)]
+
+    # -- metadata ----------------------------------------------------------------------------------------------------
+    def stream_metadata(self, stream: int) -> dict | None:
+        """pos, valid, index (stream-0 coordinate) and depth of every entry of `stream`, or None when empty."""
+        slot = self.meta_slot(stream)
+        if slot >= len(self.layers) or self.layers[slot].get_seq_length() == 0:
+            return None
+        layer = self.layers[slot]
+        pos = layer.keys[:, 0, :, 0].long()
+        extra = layer.values[:, 0]
+        return {"pos": pos, "valid": extra[..., 0] > 0.5, "index": extra[..., 1].long(), "depth": extra[..., 2].long()}
+
+    def append_metadata(self, stream: int, pos, valid, index, depth) -> None:
+        self.ensure_streams(stream + 1)
+        keys = pos.to(torch.float32)[:, None, :, None]
+        values = torch.stack([valid.to(torch.float32), index.to(torch.float32), depth.to(torch.float32)], dim=-1)
+        self.layers[self.meta_slot(stream)].update(keys, values[:, None])
+
+    @property
+    def token_depth(self) -> torch.Tensor | None:
+        """(B, S) executed depth of every cached token (0 for padding)."""
+        meta = self.stream_metadata(0)
+        return None if meta is None else meta["depth"] * meta["valid"]
+
+    # -- generate's cache operations -------------------------------------------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (v5 convention: a negative count).
+
+        Stream 0 is cut like any dynamic cache. A deeper stream's entries of removed tokens are marked invalid, then the
+        trailing columns that no row still uses are dropped.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self.get_seq_length() == 0:
+            return
+        keep_tokens = self.get_seq_length() + tokens_to_remove
+        for stream in range(self.num_streams):
+            slots = [self.kv_slot(stream, l) for l in range(self.num_backbone_layers)] + [self.meta_slot(stream)]
+            if stream == 0:
+                for s in slots:
+                    self.layers[s].crop(tokens_to_remove)
+                continue
+            meta_layer = self.layers[self.meta_slot(stream)]
+            index = meta_layer.values[:, 0, :, 1]
+            gone = index >= keep_tokens
+            meta_layer.values = meta_layer.values.clone()
+            meta_layer.values[:, 0, :, 0] = torch.where(gone, 0.0, meta_layer.values[:, 0, :, 0])
+            still = meta_layer.values[:, 0, :, 0] > 0.5
+            used = still.any(0).nonzero()
+            width = int(used.max()) + 1 if used.numel() else 0
+            for s in slots:
+                layer = self.layers[s]
+                if width == 0:
+                    layer.reset()
+                else:
+                    layer.keys = layer.keys[..., :width, :]
+                    layer.values = layer.values[..., :width, :]
 
 
-class TaH2CausalLMOutput(CausalLMOutputWithPast):
-    pass
+# ----------------------------------------------------------------------------------------------------------------------
+# Per-call stream store and the view handed to the shared decoder layers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _CallStreams:
+    """Where each stream's K/V live during one forward call, and the key metadata the masks are built from.
+
+    Stream j is written to the persistent cache when there is one (in causal mode only stream 0: deeper states of
+    earlier tokens are never visible, so they are dropped after the call) and otherwise to a scratch cache that lives
+    for this call only. Training therefore carries cross-iteration K/V explicitly, never through HF's `cache=` path.
+    """
+
+    def __init__(self, cache: TaH2Cache | None, num_layers: int, persist_deeper: bool):
+        self.cache = cache
+        self.num_layers = num_layers
+        self.persist_deeper = persist_deeper
+        self.scratch: TaH2Cache | None = None
+        self.meta: dict[int, dict] = {}  # stream -> past + new metadata (full batch)
+        self.new_meta: dict[int, dict] = {}  # stream -> this call's entries
+
+    def store(self, stream: int) -> TaH2Cache:
+        if self.cache is not None and (stream == 0 or self.persist_deeper):
+            return self.cache
+        if self.scratch is None:
+            self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
+        return self.scratch
+
+    def add_entries(self, stream: int, pos, valid, index, seq=None) -> None:
+        """Register this call's new entries of `stream` (full batch, appended after the past entries)."""
+        new = {"pos": pos, "valid": valid, "index": index, "seq": seq}
+        self.new_meta[stream] = new
+        past = self.store(stream).stream_metadata(stream)
+        if past is None:
+            self.meta[stream] = new
+        else:
+            merged = {k: torch.cat([past[k], new[k]], dim=1) for k in ("pos", "valid", "index")}
+            merged["seq"] = None
+            self.meta[stream] = merged
+
+    def past_metadata(self, stream: int) -> dict | None:
+        return self.store(stream).stream_metadata(stream)
+
+    def key_metadata(self, streams: list[int], rows: torch.Tensor | None) -> dict:
+        parts = [self.meta[s] for s in streams if s in self.meta]
+        out = {
+            "pos": torch.cat([p["pos"] for p in parts], 1),
+            "valid": torch.cat([p["valid"] for p in parts], 1),
+            "iter": torch.cat([torch.full_like(p["pos"], s) for s, p in zip(streams, parts)], 1),
+        }
+        out["seq"] = (
+            torch.cat([p["seq"] for p in parts], 1) if all(p["seq"] is not None for p in parts) else None
+        )
+        if rows is not None:
+            out = {k: (v.index_select(0, rows) if v is not None else None) for k, v in out.items()}
+        return out
+
+    def commit(self, depth_of_new_stream0: torch.Tensor) -> None:
+        """Append this call's metadata to the caches that keep it (K/V were appended by the layers)."""
+        for stream, new in self.new_meta.items():
+            store = self.store(stream)
+            depth = depth_of_new_stream0 if stream == 0 else torch.zeros_like(new["pos"])
+            store.append_metadata(stream, new["pos"], new["valid"], new["index"], depth)
+
+
+class _StreamView:
+    """`cache=` object for the shared layers while they run stream `stream` on the rows `rows` of the batch.
+
+    `update` writes the rows' new K/V into the stream's slot (full batch: rows that are not running get zero
+    placeholders, which the metadata marks invalid) and returns, for those rows, the keys of every stream the mode
+    lets this depth see, concatenated in stream order — the same order as `_CallStreams.key_metadata`.
+
+    Under activation checkpointing a layer runs twice; the second (recompute) call rebuilds the same concatenation
+    from the prefix that preceded this call's write instead of writing again.
+    """
+
+    def __init__(self, streams: _CallStreams, stream: int, key_streams: list[int], rows, batch_size: int):
+        self.streams = streams
+        self.stream = stream
+        self.key_streams = key_streams
+        self.rows = rows
+        self.batch_size = batch_size
+        self._prefix_len: dict[int, int] = {}
+
+    def _scatter(self, states: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return states
+        full = states.new_zeros((self.batch_size,) + tuple(states.shape[1:]))
+        return full.index_copy(0, self.rows, states)
+
+    def _select(self, states: torch.Tensor) -> torch.Tensor:
+        return states if self.rows is None else states.index_select(0, self.rows)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        store = self.streams.store(self.stream)
+        layer = store.kv_layer(self.stream, layer_idx)
+        k_new, v_new = self._scatter(key_states), self._scatter(value_states)
+        if layer_idx not in self._prefix_len:
+            self._prefix_len[layer_idx] = layer.get_seq_length()
+            k_all, v_all = layer.update(k_new, v_new)
+        else:
+            n = self._prefix_len[layer_idx]
+            k_all = torch.cat([layer.keys[..., :n, :], k_new], dim=-2)
+            v_all = torch.cat([layer.values[..., :n, :], v_new], dim=-2)
+        keys, values = [], []
+        for s in self.key_streams:
+            if s == self.stream:
+                keys.append(k_all)
+                values.append(v_all)
+            elif s in self.streams.meta:
+                other = self.streams.store(s).kv_layer(s, layer_idx)
+                keys.append(other.keys)
+                values.append(other.values)
+        k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)
+        v = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
+        return self._select(k), self._select(v)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Updater (Eq. 9) and decider (Eq. 10)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TaH2SwiGLU(nn.Module):
+    """SwiGLU MLP d → d_ff → d (Eq. 8), bias-free, Qwen3 naming."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TaH2Updater(nn.Module):
+    """x(m+1) = RN_out(B_u(RN_pre(W_u [RN_prev(e); RN_last(h(m))]))) — no residual; RN_out makes it embedding-scaled."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.projection = nn.Linear(2 * d, d, bias=False)
+        self.mlp = TaH2SwiGLU(d, config.updater_intermediate_size)
+        self.norm_prev = Qwen3RMSNorm(d, eps=1e-6)
+        self.norm_last = Qwen3RMSNorm(d, eps=1e-6)
+        self.norm_pre_mlp = Qwen3RMSNorm(d, eps=1e-6) if config.updater_norm_pre_mlp else nn.Identity()
+        self.norm_out = Qwen3RMSNorm(d, eps=1e-6) if config.updater_norm_out else nn.Identity()
+
+    def forward(self, embeds, hidden):
+        x = self.projection(torch.cat([self.norm_prev(embeds), self.norm_last(hidden)], dim=-1))
+        return self.norm_out(self.mlp(self.norm_pre_mlp(x)))
+
+
+class TaH2Decider(nn.Module):
+    """g = σ(W_score RN_out(B_d(W_d [RN_first(e); RN_last(h(m)); RN_l(top-k probabilities of q(m))])))."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, k = config.hidden_size, config.decider_topk
+        self.topk = k
+        self.input_proj = nn.Linear(2 * d + k, d, bias=False)
+        self.mlp = TaH2SwiGLU(d, config.decider_intermediate_size)
+        self.norm_first = Qwen3RMSNorm(d, eps=1e-6)
+        self.norm_last = Qwen3RMSNorm(d, eps=1e-6)
+        self.norm_l = Qwen3RMSNorm(k, eps=1e-6)
+        self.norm_out = Qwen3RMSNorm(d, eps=1e-6)
+        self.score = nn.Linear(d, 1, bias=False)
+
+    def topk_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """k largest next-token probabilities (descending), zero-padded when the vocabulary is smaller than k."""
+        z = logits.float()
+        k = min(self.topk, z.shape[-1])
+        top = torch.exp(z.topk(k, dim=-1).values - torch.logsumexp(z, dim=-1, keepdim=True))
+        if k < self.topk:
+            top = F.pad(top, (0, self.topk - k))
+        return top
+
+    def forward(self, embeds, hidden, logits) -> torch.Tensor:
+        """Continue logit (fp32), one per token."""
+        p = self.topk_probs(logits).to(hidden.dtype)
+        x = self.input_proj(torch.cat([self.norm_first(embeds), self.norm_last(hidden), self.norm_l(p)], dim=-1))
+        return self.score(self.norm_out(self.mlp(x))).squeeze(-1).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TaH2CausalLMOutput(ModelOutput):
+    """Output of `TaH2ForCausalLM`.
+
+    logits: log-probabilities of the stopping-weighted mixture at the kept positions (fp32); with
+        `max_iterations == 1` the raw Qwen3 logits (same distribution, bit-exact with Qwen3).
+    iter_counts: (B, T) executed depth m_t of every token (0 for padding).
+    continue_probs: (B, T, M−1) decider continue probability g after each depth, NaN where not executed.
+    iteration_hidden_states: per depth, (B, T, d) final-normed hidden states h(m) (zeros where not executed); only
+        with `output_hidden_states=True`.
+    rows_per_depth: number of token rows the backbone computed at each depth (packing: equals the active tokens).
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    iter_counts: torch.Tensor | None = None
+    continue_probs: torch.Tensor | None = None
+    iteration_hidden_states: tuple[torch.Tensor, ...] | None = None
+    rows_per_depth: tuple[int, ...] | None = None
 
 
 class TaH2PreTrainedModel(PreTrainedModel):
+    config: TaH2Config
     config_class = TaH2Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3DecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # cross-iteration masks cannot be expressed by flash-attention
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        role = getattr(module, "_tah2_init", None)
+        if role == "torch_default":  # the official updater/decider keep nn.Linear's Kaiming-uniform init
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        elif role == "score":  # g ≈ 0.5 at the start of training
+            init.normal_(module.weight, mean=0.0, std=0.01)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers=1):
+        """Loop-aware checkpointing: HF's per-layer checkpointing drops `cache=`, which would remove the
+        cross-iteration keys; instead the model checkpoints each layer call itself with the stream view kept."""
+        if gradient_checkpointing_func is None:
+            gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        for module in self.modules():
+            if isinstance(module, TaH2Model):
+                module.gradient_checkpointing = enable
+                module._gradient_checkpointing_func = gradient_checkpointing_func
+            elif isinstance(module, Qwen3DecoderLayer):
+                module.gradient_checkpointing = False
 
 
 class TaH2Model(TaH2PreTrainedModel):
-    pass
+    """The shared backbone F (embeddings, all Qwen3 decoder layers, final norm) — Qwen3Model's names and weights.
+
+    Called on its own (e.g. via `AutoModel`) it runs one pass, exactly like `Qwen3Model`; the iteration loop needs the
+    LM head (the decider reads next-token probabilities) and lives in `TaH2ForCausalLM`.
+    """
+
+    def __init__(self, config: TaH2Config):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache):
+        """One pass of all decoder layers (no final norm) with `cache` as the layers' cache object."""
+        checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            call = functools.partial(
+                layer.__call__,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+            hidden = self._gradient_checkpointing_func(call, hidden) if checkpoint else call(hidden)
+        return hidden
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        attention_mask = plain_attention_mask(attention_mask)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, past, inputs_embeds.shape[1], inputs_embeds.device)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        pos_emb = self.rotary_emb(inputs_embeds, position_ids)
+        hidden = self.run_layers(inputs_embeds, mask, position_ids, pos_emb, cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache if use_cache else None)
 
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
-    pass
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Modules a Qwen3 checkpoint does not have (freshly initialised by a conversion).
+    _hf_loops_new_module_prefixes = ("updater.", "decider.")
+
+    def __init__(self, config: TaH2Config):
+        super().__init__(config)
+        self.model = TaH2Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.updater = TaH2Updater(config) if config.updater == "learned" else None
+        self.decider = TaH2Decider(config) if config.decider == "learned" else None
+        for part in (self.updater, self.decider):
+            if part is not None:
+                for sub in part.modules():
+                    if isinstance(sub, nn.Linear):
+                        sub._tah2_init = "torch_default"
+        if self.decider is not None:
+            self.decider.score._tah2_init = "score"
+        self.post_init()
+
+    # -- the pieces of one iteration ---------------------------------------------------------------------------------
+    def _next_input(self, embeds, hidden, logits):
+        """Input of the next depth for continuing tokens (flat (N, d) tensors)."""
+        kind = self.config.updater
+        if kind == "learned":
+            return self.updater(embeds, hidden)
+        if kind == "identity":
+            return embeds
+        if kind == "hidden":
+            return hidden
+        # topk_embedding (TaH v1): probability-weighted mix of the top-k tokens' embeddings
+        k = min(self.config.updater_topk, logits.shape[-1])
+        top = logits.float().topk(k, dim=-1)
+        weights = torch.softmax(top.values, dim=-1).to(embeds.dtype)
+        table = self.model.embed_tokens.weight
+        return torch.einsum("nk,nkd->nd", weights, table[top.indices])
+
+    def _continue_prob(self, embeds, hidden, logits) -> torch.Tensor:
+        kind = self.config.decider
+        if kind == "learned":
+            return torch.sigmoid(self.decider(embeds, hidden, logits))
+        n = embeds.shape[0]
+        return torch.full((n,), 1.0 if kind == "always" else 0.0, device=embeds.device)
+
+    @staticmethod
+    def _keep_positions(logits_to_keep, seq_len: int, device) -> torch.Tensor:
+        if isinstance(logits_to_keep, int):
+            start = 0 if logits_to_keep == 0 else max(seq_len - logits_to_keep, 0)
+            return torch.arange(start, seq_len, device=device)
+        if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 1:
+            return logits_to_keep.to(device)
+        raise ValueError("logits_to_keep must be an int or a 1-D tensor of positions")
+
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        max_iterations: int | None = None,
+        exit_threshold: float | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> TaH2CausalLMOutput:
+        r"""
+        max_iterations (`int`, *optional*): override the maximum depth M for this call (>= 1).
+        exit_threshold (`float`, *optional*): override τ for this call, in (0, 1).
+
+        Returns `TaH2CausalLMOutput`; `logits` are mixture log-probabilities (raw logits when M = 1).
+        """
+        cfg = self.config
+        M = cfg.max_iterations if max_iterations is None else max_iterations
+        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+            raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
+        tau = cfg.exit_threshold if exit_threshold is None else float(exit_threshold)
+        if not 0.0 < tau < 1.0:
+            raise ValueError(f"exit_threshold must be in the open interval (0, 1), got {exit_threshold!r}")
+        if M > 1 and cfg.updater == "learned" and self.updater is None:
+            raise ValueError("this checkpoint has no learned updater; max_iterations must be 1")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        output_hidden_states = bool(output_hidden_states)
+
+        backbone = self.model
+        L = cfg.num_hidden_layers
+        embeds = backbone.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = embeds.shape
+        device = embeds.device
+        if use_cache is None:
+            use_cache = cfg.use_cache and not self.training
+        if cache is not None or use_cache:
+            cache = TaH2Cache.adopt(cache if cache is not None else DynamicCache(), L)
+        past = cache.get_seq_length() if cache is not None else 0
+
+        attention_mask = plain_attention_mask(attention_mask)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("TaH2 builds its own cross-iteration masks: pass a 2-D padding attention_mask (B, past+T)")
+        valid = attention_mask[:, -T:].bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, past, T, device)
+        position_ids = position_ids.expand(B, T)
+        seq_ids = None
+        if attention_mask is None and past == 0 and T > 1 and bool((position_ids[:, 1:] == 0).any()):
+            seq_ids = sequence_ids_from_positions(position_ids)  # packed (padding-free) rows
+
+        mode = cfg.iteration_attention
+        streams = _CallStreams(cache, L, persist_deeper=(mode != "causal"))
+        token_index = (torch.arange(T, device=device) + past).expand(B, T)
+        keep = self._keep_positions(logits_to_keep, T, device)
+        kept_slot = torch.full((T,), -1, dtype=torch.long, device=device)
+        kept_slot[keep] = torch.arange(keep.numel(), device=device)
+
+        x = embeds
+        remaining = torch.ones(B, T, dtype=torch.float32, device=device)  # R = Π_{j<m} g(j)
+        active = valid.clone()
+        iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
+        continue_probs = torch.full((B, T, max(M - 1, 0)), float("nan"), device=device)
+        log_mix = None
+        raw_logits = None
+        iteration_hidden = []
+        rows_per_depth = []
+
+        for depth in range(1, M + 1):
+            j = depth - 1
+            if j == 0:
+                rows, order, slot_real = None, torch.arange(T, device=device).expand(B, T), valid
+                q_pos, q_seq = position_ids, seq_ids
+                q_index, q_valid = token_index, valid
+            else:
+                counts = active.sum(1)
+                width = int(counts.max()) if B > 0 else 0
+                if width == 0:
+                    break
+                rows = counts.nonzero().squeeze(1)
+                if rows.numel() == B:
+                    rows = None
+                sub_active = active if rows is None else active.index_select(0, rows)
+                order = torch.argsort((~sub_active).to(torch.int8), dim=1, stable=True)[:, :width]
+                slot_real = torch.gather(sub_active, 1, order)
+                pick = (lambda t: torch.gather(t if rows is None else t.index_select(0, rows), 1, order))
+                q_pos, q_index = pick(position_ids), pick(token_index)
+                q_seq = pick(seq_ids) if seq_ids is not None else None
+                q_valid = slot_real
+            b_idx = (torch.arange(B, device=device) if rows is None else rows)[:, None].expand_as(order)
+
+            # Register this depth's new entries (full batch) and build its mask.
+            def full_batch(t, fill):
+                if rows is None:
+                    return t
+                out = torch.full((B,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=device)
+                return out.index_copy(0, rows, t)
+
+            streams.add_entries(
+                j,
+                pos=full_batch(q_pos, 0),
+                valid=full_batch(q_valid, False),
+                index=full_batch(q_index, 0),
+                seq=full_batch(q_seq, -1) if q_seq is not None else None,
+            )
+            if j == 0:
+                mask = create_causal_mask(
+                    config=cfg,
+                    inputs_embeds=embeds,
+                    attention_mask=attention_mask,
+                    cache=cache if past > 0 else None,
+                    position_ids=position_ids,
+                )
+                key_streams = [0]
+            else:
+                key_streams = [j] if mode == "same_iter" else list(range(j + 1))
+                keys = streams.key_metadata(key_streams, rows)
+                visible = iteration_visibility(
+                    mode, q_pos, j, keys["pos"], keys["iter"], keys["valid"], query_seq=q_seq, key_seq=keys["seq"]
+                )
+                mask = additive_mask(visible[:, None], embeds.dtype)
+
+            x_j = x if j == 0 else torch.gather(
+                x if rows is None else x.index_select(0, rows), 1, order[..., None].expand(-1, -1, x.shape[-1])
+            )
+            view = _StreamView(streams, j, key_streams, rows, B)
+            pos_emb = backbone.rotary_emb(x_j, q_pos)
+            h = backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view))
+            rows_per_depth.append(int(h.shape[0] * h.shape[1]))
+
+            # Flatten the real tokens of this depth: everything below is per token.
+            sel = slot_real.nonzero(as_tuple=True)
+            fb, ft = b_idx[sel], order[sel]
+            h_flat = h[sel]
+            e_flat = embeds[fb, ft]
+            iter_counts = iter_counts.index_put((fb, ft), torch.full_like(fb, depth))
+            if output_hidden_states:
+                iteration_hidden.append(torch.zeros_like(embeds).index_put((fb, ft), h_flat))
+
+            last = depth == M
+            needs_all_logits = not last and (cfg.decider == "learned" or cfg.updater == "topk_embedding")
+            kept_here = kept_slot[ft] >= 0
+            if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
+                raw_logits = self.lm_head(h[:, keep])
+                break
+            if needs_all_logits:
+                z_flat = self.lm_head(h_flat)
+                z_kept = z_flat[kept_here]
+            else:
+                z_flat = None
+                z_kept = self.lm_head(h_flat[kept_here])
+
+            if last:
+                cont = torch.zeros_like(fb, dtype=torch.bool)
+                g = None
+            else:
+                g = self._continue_prob(e_flat, h_flat, z_flat)
+                continue_probs = continue_probs.index_put((fb, ft, torch.full_like(fb, j)), g.detach().float())
+                if cfg.decision_mode == "sample" and cfg.decider == "learned":
+                    cont = torch.bernoulli(g.detach()).bool()
+                else:
+                    cont = g > tau
+
+            # Stopping-weighted mixture (Eq. 4), fp32 log space.
+            logp = torch.log_softmax(z_kept.float(), dim=-1)
+            kb, kt = fb[kept_here], kept_slot[ft[kept_here]]
+            if log_mix is None:
+                log_mix = torch.full((B, keep.numel(), logp.shape[-1]), float("-inf"), device=device)
+            if cfg.mixture == "stop_prob":
+                r = remaining[fb, ft]
+                gg = g if g is not None else torch.zeros_like(r)
+                omega = torch.where(cont, r * (1.0 - gg), r)
+                remaining = remaining.index_put((fb, ft), torch.where(cont, r * gg, r))
+                term = torch.log(omega.clamp(min=1e-10))[kept_here, None] + logp
+                log_mix = log_mix.index_put((kb, kt), torch.logaddexp(log_mix[kb, kt], term))
+            elif cfg.mixture == "even":
+                log_mix = log_mix.index_put((kb, kt), torch.logaddexp(log_mix[kb, kt], logp))
+            else:  # final
+                log_mix = log_mix.index_put((kb, kt), logp)
+
+            if last or not bool(cont.any()):
+                break
+            cb, ct = fb[cont], ft[cont]
+            x_next = self._next_input(e_flat[cont], h_flat[cont], z_flat[cont] if z_flat is not None else None)
+            x = x.index_put((cb, ct), x_next.to(x.dtype))
+            active = torch.zeros_like(active).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
+
+        if M == 1:
+            logits = raw_logits
+        else:
+            depth_kept = iter_counts[:, keep]
+            logits = log_mix
+            if cfg.mixture == "even":
+                logits = logits - torch.log(depth_kept.clamp(min=1).float())[..., None]
+            # Padding never ran: give it a finite (zero) row so losses that ignore it stay NaN-free.
+            logits = torch.where(depth_kept[..., None] > 0, logits, torch.zeros((), device=device))
+
+        streams.commit(iter_counts)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size, **kwargs)
+
+        return TaH2CausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=cache if use_cache else None,
+            iter_counts=iter_counts,
+            continue_probs=continue_probs,
+            iteration_hidden_states=tuple(iteration_hidden) if output_hidden_states else None,
+            rows_per_depth=tuple(rows_per_depth),
+        )

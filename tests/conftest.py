@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+
+
+def tiny_qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    kw = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+@pytest.fixture
+def shared_dir():
+    if not os.path.isdir(SHARED):
+        pytest.skip("../shared is not present")
+    return SHARED
