@@ -28,10 +28,10 @@ def tiny_tah2(seed=0, qwen_overrides=None, decisive=True, **tah2_overrides):
 def script_decider(model, fn):
     """Replace the decider by g = fn(embeds, hidden) so the continue pattern is known in advance."""
 
-    def continue_prob(embeds, hidden, logits):
-        return fn(embeds, hidden).float()
+    def continue_logit(embeds, hidden, logits):
+        return torch.logit(fn(embeds, hidden).float())
 
-    model._continue_prob = continue_prob
+    model._continue_logit = continue_logit
     return model
 
 

@@ -237,17 +237,30 @@ class _CallStreams:
             self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
         return self.scratch
 
-    def add_entries(self, stream: int, pos, valid, index, seq=None) -> None:
-        """Register this call's new entries of `stream` (full batch, appended after the past entries)."""
-        new = {"pos": pos, "valid": valid, "index": index, "seq": seq}
+    def add_entries(self, stream: int, pos, valid, index, seq=None, cont=None) -> None:
+        """Register this call's new entries of `stream` (full batch, appended after the past entries).
+
+        `cont` (lookahead only) marks entries whose token really executed this depth in the main forward."""
+        new = {"pos": pos, "valid": valid, "index": index, "seq": seq, "cont": cont}
         self.new_meta[stream] = new
         past = self.store(stream).stream_metadata(stream)
         if past is None:
             self.meta[stream] = new
         else:
             merged = {k: torch.cat([past[k], new[k]], dim=1) for k in ("pos", "valid", "index")}
-            merged["seq"] = None
+            merged["seq"] = merged["cont"] = None
             self.meta[stream] = merged
+
+    def share_streams(self, other: "_CallStreams", streams: list[int]) -> None:
+        """Read-only access to `other`'s streams (the lookahead reads the main forward's K/V without copying)."""
+        if self.scratch is None:
+            self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
+        self.scratch.ensure_streams(max(streams) + 1)
+        for s in streams:
+            src = other.store(s)
+            for offset in range(self.num_layers + 1):
+                self.scratch.layers[self.scratch.kv_slot(s, 0) + offset] = src.layers[src.kv_slot(s, 0) + offset]
+            self.meta[s] = other.meta[s]
 
     def past_metadata(self, stream: int) -> dict | None:
         return self.store(stream).stream_metadata(stream)
@@ -261,6 +274,9 @@ class _CallStreams:
         }
         out["seq"] = (
             torch.cat([p["seq"] for p in parts], 1) if all(p["seq"] is not None for p in parts) else None
+        )
+        out["cont"] = torch.cat(
+            [p["cont"] if p.get("cont") is not None else torch.zeros_like(p["valid"]) for p in parts], 1
         )
         if rows is not None:
             out = {k: (v.index_select(0, rows) if v is not None else None) for k, v in out.items()}
@@ -413,6 +429,7 @@ class TaH2CausalLMOutput(ModelOutput):
     iteration_hidden_states: per depth, (B, T, d) final-normed hidden states h(m) (zeros where not executed); only
         with `output_hidden_states=True`.
     rows_per_depth: number of token rows the backbone computed at each depth (packing: equals the active tokens).
+    loop_records: per-depth training quantities (`return_loop_records=True`).
     """
 
     loss: torch.Tensor | None = None
@@ -424,6 +441,7 @@ class TaH2CausalLMOutput(ModelOutput):
     continue_probs: torch.Tensor | None = None
     iteration_hidden_states: tuple[torch.Tensor, ...] | None = None
     rows_per_depth: tuple[int, ...] | None = None
+    loop_records: "TaH2LoopRecords | None" = None
 
 
 class TaH2PreTrainedModel(PreTrainedModel):
@@ -525,6 +543,83 @@ class TaH2Model(TaH2PreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache if use_cache else None)
 
 
+@dataclass
+class _Packing:
+    """Which tokens one depth runs: per batch row `rows`, the active tokens gathered to the left (stable order) and
+    right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token."""
+
+    rows: torch.Tensor | None  # batch rows that take part (None: all)
+    order: torch.Tensor  # (Bj, Tj)
+    real: torch.Tensor  # (Bj, Tj) bool
+    identity: bool = False  # depth 1: every position of every row, in place
+
+    @classmethod
+    def everything(cls, valid: torch.Tensor) -> "_Packing":
+        B, T = valid.shape
+        return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True)
+
+    @classmethod
+    def of(cls, active: torch.Tensor) -> "_Packing | None":
+        counts = active.sum(1)
+        width = int(counts.max()) if active.numel() else 0
+        if width == 0:
+            return None
+        rows = counts.nonzero().squeeze(1)
+        if rows.numel() == active.shape[0]:
+            rows = None
+        sub = active if rows is None else active.index_select(0, rows)
+        order = torch.argsort((~sub).to(torch.int8), dim=1, stable=True)[:, :width]
+        return cls(rows, order, torch.gather(sub, 1, order))
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) → (Bj, Tj, ...) for this depth's slots."""
+        if self.identity:
+            return t
+        t = t if self.rows is None else t.index_select(0, self.rows)
+        index = self.order.view(*self.order.shape, *([1] * (t.dim() - 2))).expand(*self.order.shape, *t.shape[2:])
+        return torch.gather(t, 1, index)
+
+    def scatter_rows(self, t: torch.Tensor, batch_size: int, fill) -> torch.Tensor:
+        """(Bj, Tj) → (B, Tj): rows that do not take part get `fill`."""
+        if self.rows is None:
+            return t
+        out = torch.full((batch_size,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+        return out.index_copy(0, self.rows, t)
+
+    def flat_tokens(self):
+        """(batch index, time index, slot selector) of every real token of this depth."""
+        sel = self.real.nonzero(as_tuple=True)
+        rows = torch.arange(self.order.shape[0], device=self.order.device) if self.rows is None else self.rows
+        return rows[sel[0]], self.order[sel], sel
+
+
+@dataclass
+class TaH2LoopRecords:
+    """Per-depth quantities of one teacher-forced forward, for lookahead depth supervision (spec §4.1).
+
+    Lists are indexed by depth m−1. `token_logprob[m−1]` = log q(m)[y_t] (fp32, detached, 0 where not executed);
+    `decider_logits[m−1]` (m < M) keep their gradient; `hidden` are the detached h(m) the lookahead starts from.
+    """
+
+    executed: list
+    token_logprob: list
+    decider_logits: list
+    hidden: list
+    embeds: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor | None
+    streams: _CallStreams
+    max_iterations: int
+
+
+def shift_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Target of every position (HF convention: labels are unshifted; the last position has none)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Modules a Qwen3 checkpoint does not have (freshly initialised by a conversion).
@@ -560,15 +655,46 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         k = min(self.config.updater_topk, logits.shape[-1])
         top = logits.float().topk(k, dim=-1)
         weights = torch.softmax(top.values, dim=-1).to(embeds.dtype)
-        table = self.model.embed_tokens.weight
-        return torch.einsum("nk,nkd->nd", weights, table[top.indices])
+        return torch.einsum("nk,nkd->nd", weights, self.model.embed_tokens.weight[top.indices])
 
-    def _continue_prob(self, embeds, hidden, logits) -> torch.Tensor:
+    def _continue_logit(self, embeds, hidden, logits) -> torch.Tensor:
+        """Decider logit (fp32) per token; ±inf for the fixed `always` / `never` deciders."""
         kind = self.config.decider
         if kind == "learned":
-            return torch.sigmoid(self.decider(embeds, hidden, logits))
-        n = embeds.shape[0]
-        return torch.full((n,), 1.0 if kind == "always" else 0.0, device=embeds.device)
+            return self.decider(embeds, hidden, logits)
+        return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
+
+    def _needs_logits_for_decisions(self) -> bool:
+        return self.config.decider == "learned" or self.config.updater == "topk_embedding"
+
+    def _run_depth(self, streams, stream, x, pack, position_ids, token_index, seq_ids, mode, stream0_mask=None,
+                   key_continue=None):
+        """Run the whole backbone (and final norm) once, at stream `stream`, for the tokens `pack` selects."""
+        backbone = self.model
+        B = x.shape[0]
+        q_pos, q_index = pack.gather(position_ids), pack.gather(token_index)
+        q_seq = pack.gather(seq_ids) if seq_ids is not None else None
+        cont = pack.gather(key_continue) & pack.real if key_continue is not None else None
+        streams.add_entries(
+            stream,
+            pos=pack.scatter_rows(q_pos, B, 0),
+            valid=pack.scatter_rows(pack.real, B, False),
+            index=pack.scatter_rows(q_index, B, 0),
+            seq=pack.scatter_rows(q_seq, B, -1) if q_seq is not None else None,
+            cont=pack.scatter_rows(cont, B, False) if cont is not None else None,
+        )
+        if stream0_mask is not None:
+            key_streams, mask = [0], stream0_mask
+        else:
+            key_streams = [stream] if mode == "same_iter" else list(range(stream + 1))
+            keys = streams.key_metadata(key_streams, pack.rows)
+            visible = iteration_visibility(mode, q_pos, stream, keys["pos"], keys["iter"], keys["valid"],
+                                           key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
+            mask = additive_mask(visible[:, None], x.dtype)
+        x_j = pack.gather(x)
+        view = _StreamView(streams, stream, key_streams, pack.rows, B)
+        pos_emb = backbone.rotary_emb(x_j, q_pos)
+        return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view))
 
     @staticmethod
     def _keep_positions(logits_to_keep, seq_len: int, device) -> torch.Tensor:
@@ -594,13 +720,19 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         max_iterations: int | None = None,
         exit_threshold: float | None = None,
         output_hidden_states: bool | None = None,
+        return_mixture_logits: bool = False,
+        return_loop_records: bool = False,
         **kwargs,
     ) -> TaH2CausalLMOutput:
         r"""
-        max_iterations (`int`, *optional*): override the maximum depth M for this call (>= 1).
-        exit_threshold (`float`, *optional*): override τ for this call, in (0, 1).
+        max_iterations (`int`, *optional*): maximum depth M for this call (>= 1).
+        exit_threshold (`float`, *optional*): τ for this call, in (0, 1).
+        return_mixture_logits (`bool`): with `labels`, also return the full-vocabulary mixture (not materialised by
+            default in training: the loss only needs log q_t[y_t]).
+        return_loop_records (`bool`): return `TaH2LoopRecords` (per-depth losses, decider logits) for lookahead
+            supervision; needs `labels`.
 
-        Returns `TaH2CausalLMOutput`; `logits` are mixture log-probabilities (raw logits when M = 1).
+        `logits` are the mixture's log-probabilities (Qwen3's raw logits when M = 1).
         """
         cfg = self.config
         M = cfg.max_iterations if max_iterations is None else max_iterations
@@ -613,7 +745,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             raise ValueError("this checkpoint has no learned updater; max_iterations must be 1")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        output_hidden_states = bool(output_hidden_states)
+        if return_loop_records and labels is None:
+            raise ValueError("return_loop_records needs labels")
 
         backbone = self.model
         L = cfg.num_hidden_layers
@@ -625,157 +758,136 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         if cache is not None or use_cache:
             cache = TaH2Cache.adopt(cache if cache is not None else DynamicCache(), L)
         past = cache.get_seq_length() if cache is not None else 0
+        if return_loop_records and past > 0:
+            raise ValueError("return_loop_records needs a full teacher-forced forward (no past cache)")
 
         attention_mask = plain_attention_mask(attention_mask)
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("TaH2 builds its own cross-iteration masks: pass a 2-D padding attention_mask (B, past+T)")
-        valid = attention_mask[:, -T:].bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            valid = attention_mask[:, -T:].bool()
+        else:
+            valid = torch.ones(B, T, dtype=torch.bool, device=device)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, past, T, device)
         position_ids = position_ids.expand(B, T)
         seq_ids = None
         if attention_mask is None and past == 0 and T > 1 and bool((position_ids[:, 1:] == 0).any()):
-            seq_ids = sequence_ids_from_positions(position_ids)  # packed (padding-free) rows
+            seq_ids = sequence_ids_from_positions(position_ids)  # packed (padding-free) rows: documents stay apart
 
         mode = cfg.iteration_attention
         streams = _CallStreams(cache, L, persist_deeper=(mode != "causal"))
         token_index = (torch.arange(T, device=device) + past).expand(B, T)
+
+        # What to produce: full-vocabulary mixture at the kept positions, and/or log q_t[y_t] for the loss.
+        targets = shift_targets(labels, kwargs.pop("shift_labels", None)) if labels is not None else None
+        full_logits = labels is None or return_mixture_logits or M == 1
         keep = self._keep_positions(logits_to_keep, T, device)
         kept_slot = torch.full((T,), -1, dtype=torch.long, device=device)
         kept_slot[keep] = torch.arange(keep.numel(), device=device)
+        safe_targets = targets.clamp(min=0) if targets is not None else None
 
         x = embeds
         remaining = torch.ones(B, T, dtype=torch.float32, device=device)  # R = Π_{j<m} g(j)
-        active = valid.clone()
         iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
         continue_probs = torch.full((B, T, max(M - 1, 0)), float("nan"), device=device)
-        log_mix = None
+        log_mix = None  # (B, K, V) fp32
+        log_mix_target = None  # (B, T) fp32: log q_t[y_t]
         raw_logits = None
-        iteration_hidden = []
-        rows_per_depth = []
+        iteration_hidden, rows_per_depth = [], []
+        rec = {"executed": [], "token_logprob": [], "decider_logits": [], "hidden": []}
 
+        pack = _Packing.everything(valid)
         for depth in range(1, M + 1):
             j = depth - 1
+            stream0_mask = None
             if j == 0:
-                rows, order, slot_real = None, torch.arange(T, device=device).expand(B, T), valid
-                q_pos, q_seq = position_ids, seq_ids
-                q_index, q_valid = token_index, valid
-            else:
-                counts = active.sum(1)
-                width = int(counts.max()) if B > 0 else 0
-                if width == 0:
-                    break
-                rows = counts.nonzero().squeeze(1)
-                if rows.numel() == B:
-                    rows = None
-                sub_active = active if rows is None else active.index_select(0, rows)
-                order = torch.argsort((~sub_active).to(torch.int8), dim=1, stable=True)[:, :width]
-                slot_real = torch.gather(sub_active, 1, order)
-                pick = (lambda t: torch.gather(t if rows is None else t.index_select(0, rows), 1, order))
-                q_pos, q_index = pick(position_ids), pick(token_index)
-                q_seq = pick(seq_ids) if seq_ids is not None else None
-                q_valid = slot_real
-            b_idx = (torch.arange(B, device=device) if rows is None else rows)[:, None].expand_as(order)
-
-            # Register this depth's new entries (full batch) and build its mask.
-            def full_batch(t, fill):
-                if rows is None:
-                    return t
-                out = torch.full((B,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=device)
-                return out.index_copy(0, rows, t)
-
-            streams.add_entries(
-                j,
-                pos=full_batch(q_pos, 0),
-                valid=full_batch(q_valid, False),
-                index=full_batch(q_index, 0),
-                seq=full_batch(q_seq, -1) if q_seq is not None else None,
-            )
-            if j == 0:
-                mask = create_causal_mask(
-                    config=cfg,
-                    inputs_embeds=embeds,
-                    attention_mask=attention_mask,
-                    cache=cache if past > 0 else None,
-                    position_ids=position_ids,
-                )
-                key_streams = [0]
-            else:
-                key_streams = [j] if mode == "same_iter" else list(range(j + 1))
-                keys = streams.key_metadata(key_streams, rows)
-                visible = iteration_visibility(
-                    mode, q_pos, j, keys["pos"], keys["iter"], keys["valid"], query_seq=q_seq, key_seq=keys["seq"]
-                )
-                mask = additive_mask(visible[:, None], embeds.dtype)
-
-            x_j = x if j == 0 else torch.gather(
-                x if rows is None else x.index_select(0, rows), 1, order[..., None].expand(-1, -1, x.shape[-1])
-            )
-            view = _StreamView(streams, j, key_streams, rows, B)
-            pos_emb = backbone.rotary_emb(x_j, q_pos)
-            h = backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view))
+                stream0_mask = create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=attention_mask,
+                                                  cache=cache if past > 0 else None, position_ids=position_ids)
+            h = self._run_depth(streams, j, x, pack, position_ids, token_index, seq_ids, mode, stream0_mask)
             rows_per_depth.append(int(h.shape[0] * h.shape[1]))
+            if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
+                raw_logits = self.lm_head(h[:, keep])
+                iter_counts = valid.long()
+                if output_hidden_states:
+                    iteration_hidden.append(h)
+                break
 
-            # Flatten the real tokens of this depth: everything below is per token.
-            sel = slot_real.nonzero(as_tuple=True)
-            fb, ft = b_idx[sel], order[sel]
-            h_flat = h[sel]
-            e_flat = embeds[fb, ft]
+            # Everything below is per real token of this depth.
+            fb, ft, sel = pack.flat_tokens()
+            h_flat, e_flat = h[sel], embeds[fb, ft]
             iter_counts = iter_counts.index_put((fb, ft), torch.full_like(fb, depth))
             if output_hidden_states:
                 iteration_hidden.append(torch.zeros_like(embeds).index_put((fb, ft), h_flat))
-
             last = depth == M
-            needs_all_logits = not last and (cfg.decider == "learned" or cfg.updater == "topk_embedding")
             kept_here = kept_slot[ft] >= 0
-            if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
-                raw_logits = self.lm_head(h[:, keep])
-                break
-            if needs_all_logits:
+            if targets is not None or (not last and self._needs_logits_for_decisions()):
                 z_flat = self.lm_head(h_flat)
-                z_kept = z_flat[kept_here]
+                z_kept = z_flat[kept_here] if full_logits else None
             else:
-                z_flat = None
-                z_kept = self.lm_head(h_flat[kept_here])
+                z_flat, z_kept = None, self.lm_head(h_flat[kept_here])
 
             if last:
+                logit = None
+                g = torch.zeros(fb.shape, device=device)
                 cont = torch.zeros_like(fb, dtype=torch.bool)
-                g = None
             else:
-                g = self._continue_prob(e_flat, h_flat, z_flat)
-                continue_probs = continue_probs.index_put((fb, ft, torch.full_like(fb, j)), g.detach().float())
-                if cfg.decision_mode == "sample" and cfg.decider == "learned":
+                logit = self._continue_logit(e_flat, h_flat, z_flat)
+                g = torch.sigmoid(logit)
+                continue_probs = continue_probs.index_put((fb, ft, torch.full_like(fb, j)), g.detach())
+                if cfg.decision_mode == "sample":
                     cont = torch.bernoulli(g.detach()).bool()
                 else:
                     cont = g > tau
 
-            # Stopping-weighted mixture (Eq. 4), fp32 log space.
-            logp = torch.log_softmax(z_kept.float(), dim=-1)
-            kb, kt = fb[kept_here], kept_slot[ft[kept_here]]
-            if log_mix is None:
-                log_mix = torch.full((B, keep.numel(), logp.shape[-1]), float("-inf"), device=device)
+            # Stopping-weighted mixture (Eq. 4) in fp32 log space: ω = R(1−g) for a continuing token, R for a stopping one.
             if cfg.mixture == "stop_prob":
                 r = remaining[fb, ft]
-                gg = g if g is not None else torch.zeros_like(r)
-                omega = torch.where(cont, r * (1.0 - gg), r)
-                remaining = remaining.index_put((fb, ft), torch.where(cont, r * gg, r))
-                term = torch.log(omega.clamp(min=1e-10))[kept_here, None] + logp
-                log_mix = log_mix.index_put((kb, kt), torch.logaddexp(log_mix[kb, kt], term))
-            elif cfg.mixture == "even":
-                log_mix = log_mix.index_put((kb, kt), torch.logaddexp(log_mix[kb, kt], logp))
-            else:  # final
-                log_mix = log_mix.index_put((kb, kt), logp)
+                log_w = torch.log(torch.where(cont, r * (1.0 - g), r).clamp(min=1e-10))
+                remaining = remaining.index_put((fb, ft), torch.where(cont, r * g, r))
+            else:
+                log_w = torch.zeros_like(g)
+
+            def accumulate(buffer, index, term):
+                if cfg.mixture == "final":
+                    return buffer.index_put(index, term)
+                return buffer.index_put(index, torch.logaddexp(buffer[index], term))
+
+            if z_kept is not None:
+                logp = torch.log_softmax(z_kept.float(), dim=-1)
+                if log_mix is None:
+                    log_mix = torch.full((B, keep.numel(), logp.shape[-1]), float("-inf"), device=device)
+                kb, kt = fb[kept_here], kept_slot[ft[kept_here]]
+                log_mix = accumulate(log_mix, (kb, kt), log_w[kept_here, None] + logp)
+            if targets is not None:
+                zf = z_flat.float()
+                logp_target = zf.gather(-1, safe_targets[fb, ft, None]).squeeze(-1) - torch.logsumexp(zf, -1)
+                if log_mix_target is None:
+                    log_mix_target = torch.full((B, T), float("-inf"), device=device)
+                log_mix_target = accumulate(log_mix_target, (fb, ft), log_w + logp_target)
+                if return_loop_records:
+                    executed = torch.zeros(B, T, dtype=torch.bool, device=device).index_put(
+                        (fb, ft), torch.ones_like(fb, dtype=torch.bool))
+                    rec["executed"].append(executed)
+                    rec["token_logprob"].append(torch.zeros(B, T, device=device).index_put((fb, ft), logp_target.detach()))
+                    rec["hidden"].append(torch.zeros_like(embeds).index_put((fb, ft), h_flat.detach()))
+                    if logit is not None:
+                        rec["decider_logits"].append(torch.zeros(B, T, device=device).index_put((fb, ft), logit))
 
             if last or not bool(cont.any()):
                 break
             cb, ct = fb[cont], ft[cont]
             x_next = self._next_input(e_flat[cont], h_flat[cont], z_flat[cont] if z_flat is not None else None)
             x = x.index_put((cb, ct), x_next.to(x.dtype))
-            active = torch.zeros_like(active).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
+            pack = _Packing.of(torch.zeros(B, T, dtype=torch.bool, device=device).index_put(
+                (cb, ct), torch.ones_like(cb, dtype=torch.bool)))
 
+        streams.commit(iter_counts)
+
+        logits = None
         if M == 1:
             logits = raw_logits
-        else:
+        elif log_mix is not None:
             depth_kept = iter_counts[:, keep]
             logits = log_mix
             if cfg.mixture == "even":
@@ -783,11 +895,25 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             # Padding never ran: give it a finite (zero) row so losses that ignore it stay NaN-free.
             logits = torch.where(depth_kept[..., None] > 0, logits, torch.zeros((), device=device))
 
-        streams.commit(iter_counts)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size, **kwargs)
+            if M == 1:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size, **kwargs)
+            else:
+                if cfg.mixture == "even":
+                    log_mix_target = log_mix_target - torch.log(iter_counts.clamp(min=1).float())
+                supervised = targets != -100
+                nll = -torch.where(supervised, log_mix_target, torch.zeros((), device=device)).sum()
+                n = kwargs.get("num_items_in_batch")
+                n = supervised.sum() if n is None else n
+                loss = nll / torch.as_tensor(n, device=device).clamp(min=1)
 
+        records = None
+        if return_loop_records:
+            records = TaH2LoopRecords(
+                embeds=embeds.detach(), targets=targets, position_ids=position_ids, seq_ids=seq_ids,
+                streams=streams, max_iterations=M, **rec,
+            )
         return TaH2CausalLMOutput(
             loss=loss,
             logits=logits,
@@ -796,4 +922,38 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             continue_probs=continue_probs,
             iteration_hidden_states=tuple(iteration_hidden) if output_hidden_states else None,
             rows_per_depth=tuple(rows_per_depth),
+            loop_records=records,
         )
+
+    @torch.no_grad()
+    def lookahead_logprobs(self, records: TaH2LoopRecords) -> list:
+        """One extra no-gradient iteration per boundary m = 1..M−1 (spec §4.2): every token that executed depth m runs
+        depth m+1 from U(e, h(m)), seeing the main forward's streams 0..m−1, the main depth-(m+1) states of tokens that
+        really continued (`duo_posterior`), and its own lookahead state — never another token's lookahead state.
+
+        Returns, per boundary m, log q(m+1)[y_t] as a (B, T) fp32 tensor (0 where the token did not execute depth m).
+        """
+        B, T, _ = records.embeds.shape
+        device = records.embeds.device
+        token_index = torch.arange(T, device=device).expand(B, T)
+        safe_targets = records.targets.clamp(min=0)
+        out = []
+        for m in range(1, min(len(records.executed), records.max_iterations - 1) + 1):
+            active = records.executed[m - 1]
+            pack = _Packing.of(active)
+            if pack is None:
+                out.append(torch.zeros(B, T, device=device))
+                continue
+            continued = records.executed[m] if m < len(records.executed) else torch.zeros_like(active)
+            fb, ft, sel = pack.flat_tokens()
+            e, h = records.embeds[fb, ft], records.hidden[m - 1][fb, ft]
+            z_prev = self.lm_head(h) if self.config.updater == "topk_embedding" else None
+            x = torch.zeros_like(records.embeds).index_put((fb, ft), self._next_input(e, h, z_prev).to(e.dtype))
+            look = _CallStreams(None, self.config.num_hidden_layers, persist_deeper=True)
+            look.share_streams(records.streams, list(range(m)))
+            h_look = self._run_depth(look, m, x, pack, records.position_ids, token_index, records.seq_ids,
+                                     "duo_posterior", key_continue=continued)
+            z = self.lm_head(h_look[sel]).float()
+            logp = z.gather(-1, safe_targets[fb, ft, None]).squeeze(-1) - torch.logsumexp(z, -1)
+            out.append(torch.zeros(B, T, device=device).index_put((fb, ft), logp))
+        return out
