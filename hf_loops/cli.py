@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     c.set_defaults(func=cmd_convert)
 
+    t = sub.add_parser("train", help="post-train Qwen3 into TaH2 (see `hf-loops train --help`)", add_help=False)
+    t.set_defaults(func=None)
+
     g = sub.add_parser("generate", help="generate from a checkpoint, optionally showing per-token depth")
     g.add_argument("model")
     g.add_argument("--prompt", required=True)
@@ -146,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # the trainer owns its arguments (any SFTConfig field passes through)
+        from .training.train_tah2 import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -3,6 +3,7 @@ copied flat, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=Tru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -14,23 +15,13 @@ def _auto_map_entry(cls: type) -> str:
     return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
 
 
-def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, safe_serialization: bool = True) -> str:
-    """Write `model` (and `tokenizer`) to `out_dir` with remote code.
-
-    The directory is written to a temporary sibling first and moved into place at the end, so a failure leaves
-    nothing half-written. `register_for_auto_class` is applied only for the duration of the save, so the rest of the
-    process keeps saving plain (non-remote-code) checkpoints.
-    """
-    out_dir = os.fspath(out_dir)
+@contextlib.contextmanager
+def remote_code_saving(model: PreTrainedModel):
+    """Within the block, `save_pretrained` writes `auto_map` (AutoConfig, AutoModel, AutoModelForCausalLM) and copies
+    the modeling files. `register_for_auto_class` is undone on exit, so later saves in the process stay plain."""
     model_cls, config_cls = type(model), type(model.config)
     base = getattr(model, model.base_model_prefix, None)
     base_cls = type(base) if isinstance(base, PreTrainedModel) else None
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"export out_dir {out_dir!r} exists and is not empty")
-
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
     had_auto_map = "auto_map" in model.config.__dict__
     old_auto_map = dict(model.config.auto_map) if had_auto_map and model.config.auto_map else None
     saved_auto = (config_cls._auto_class, model_cls._auto_class)
@@ -41,7 +32,30 @@ def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, s
         if base_cls is not None:
             auto_map["AutoModel"] = _auto_map_entry(base_cls)
         model.config.auto_map = auto_map
-        model.save_pretrained(tmp, safe_serialization=safe_serialization)
+        yield model
+    finally:
+        config_cls._auto_class, model_cls._auto_class = saved_auto
+        if old_auto_map is not None:
+            model.config.auto_map = old_auto_map
+        elif "auto_map" in model.config.__dict__:
+            del model.config.__dict__["auto_map"]
+
+
+def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, safe_serialization: bool = True) -> str:
+    """Write `model` (and `tokenizer`) to `out_dir` with remote code.
+
+    The directory is written to a temporary sibling first and moved into place at the end, so a failure leaves
+    nothing half-written.
+    """
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"export out_dir {out_dir!r} exists and is not empty")
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
+    try:
+        with remote_code_saving(model):
+            model.save_pretrained(tmp, safe_serialization=safe_serialization)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if os.path.exists(out_dir):
@@ -50,10 +64,4 @@ def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        config_cls._auto_class, model_cls._auto_class = saved_auto
-        if old_auto_map is not None:
-            model.config.auto_map = old_auto_map
-        elif "auto_map" in model.config.__dict__:
-            del model.config.__dict__["auto_map"]
     return out_dir

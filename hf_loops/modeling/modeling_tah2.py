@@ -559,6 +559,13 @@ class _Packing:
         return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True)
 
     @classmethod
+    def placeholder(cls, batch_size: int, device) -> "_Packing":
+        """One padding slot: lets a rank with no active token still run a depth that other ranks run (sharded
+        training needs every rank to call the same modules the same number of times)."""
+        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
+        return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
+
+    @classmethod
     def of(cls, active: torch.Tensor) -> "_Packing | None":
         counts = active.sum(1)
         width = int(counts.max()) if active.numel() else 0
@@ -611,6 +618,15 @@ class TaH2LoopRecords:
     seq_ids: torch.Tensor | None
     streams: _CallStreams
     max_iterations: int
+
+
+def _any_on_any_rank(flag: bool, synchronise: bool) -> bool:
+    """`flag` OR-ed over data-parallel ranks (only while training under torch.distributed)."""
+    if not synchronise:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda") if torch.cuda.is_available() else None)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 def shift_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -797,6 +813,10 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         iteration_hidden, rows_per_depth = [], []
         rec = {"executed": [], "token_logprob": [], "decider_logits": [], "hidden": []}
 
+        synchronise = (
+            self.training and torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        )
         pack = _Packing.everything(valid)
         for depth in range(1, M + 1):
             j = depth - 1
@@ -874,13 +894,13 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                     if logit is not None:
                         rec["decider_logits"].append(torch.zeros(B, T, device=device).index_put((fb, ft), logit))
 
-            if last or not bool(cont.any()):
+            if last or not _any_on_any_rank(bool(cont.any()), synchronise):
                 break
             cb, ct = fb[cont], ft[cont]
             x_next = self._next_input(e_flat[cont], h_flat[cont], z_flat[cont] if z_flat is not None else None)
             x = x.index_put((cb, ct), x_next.to(x.dtype))
             pack = _Packing.of(torch.zeros(B, T, dtype=torch.bool, device=device).index_put(
-                (cb, ct), torch.ones_like(cb, dtype=torch.bool)))
+                (cb, ct), torch.ones_like(cb, dtype=torch.bool))) or _Packing.placeholder(B, device)
 
         streams.commit(iter_counts)
 
@@ -937,13 +957,15 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         device = records.embeds.device
         token_index = torch.arange(T, device=device).expand(B, T)
         safe_targets = records.targets.clamp(min=0)
+        synchronise = torch.distributed.is_available() and torch.distributed.is_initialized()
         out = []
         for m in range(1, min(len(records.executed), records.max_iterations - 1) + 1):
             active = records.executed[m - 1]
             pack = _Packing.of(active)
-            if pack is None:
+            if not _any_on_any_rank(pack is not None, synchronise):
                 out.append(torch.zeros(B, T, device=device))
                 continue
+            pack = pack or _Packing.placeholder(B, device)
             continued = records.executed[m] if m < len(records.executed) else torch.zeros_like(active)
             fb, ft, sel = pack.flat_tokens()
             e, h = records.embeds[fb, ft], records.hidden[m - 1][fb, ft]

@@ -1,0 +1,1 @@
+"""Training wing: trainers, callbacks, recipes."""
