@@ -1,0 +1,638 @@
+"""SpiralFormer: a middle-cycle looped transformer whose loop iterations run at different resolutions
+(spec: shared/specs/spiralformer.md).
+
+    h(0)   = f_pre(x)                                   (MeSH: transitional write/read of f_pre(x))
+    h(t+1) = U(ũ(t), h(t))     t = 0..T−1               one loop step at chunk size g_t (coarse → fine)
+    out    = lm_head(norm(f_post(h(T))))
+
+One loop step at chunk size g (ω = chunk offset, s = causal shift, λ = √g):
+    chunk map   π(i) = ⌊(i+ω)/g⌋, ρ(i) = (i+ω) mod g; chunk 0 is partial (ω virtual members)
+    down        z_j = Σ_{i∈chunk j} α_{j,i} h_i            α = within-chunk softmax of A(h) (or 1/g)
+    core        ẑ = f_loop(z)                              the shared layers, causal over the closed chunks
+    up          u_i = λ β_{π(i),ρ(i)} ẑ_{π(i)}             β = softmax(B(ẑ_j)) over the g readers (or 1/g)
+    shift       ũ_i = u_{i−s}                              s = g−1 is the smallest causal shift
+    topology    Anchor: h = h(0) + ũ;  MeSH: routers(h) → write ũ into B slots → read
+
+Every token with s = g−1 reads the most recently *closed* chunk j* = ⌊(i+ω+1)/g⌋−1 at allocation index
+k* = (i+ω+1) mod g, so a token never sees a chunk that contains a later token (causality, spec §5), and incremental
+decoding only needs, per iteration, the core K/V of the closed latents, an online-softmax accumulator for the open
+chunk and the last closed latent (spec §7).
+
+Cache layout (all `DynamicLayer`s in `cache.layers`): pre layer l → l; core (t, l) → N_pre + t·N_loop + l; post layer
+l → N_pre + T·N_loop + l (when N_pre = 0 the post slots come first so slot 0 always counts tokens); then two
+bookkeeping slots per iteration: the packed decode state [m, Z, S, v_last, β_last] (fp32, shape (b, 1, 1, X)) and the
+per-row validity of every core-cache column (b, 1, n_cols, 1). Keeping them as cache layers means beam-search reorder,
+batch repeat and batch select move them with the K/V. Left-padded batches are exact: chunk maps come from per-row
+positions, latent columns a row does not own are masked out.
+
+This file ships as Hub remote code: it imports only torch, transformers and its siblings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .configuration_spiralformer import SpiralFormerConfig
+from .loop_utils import LoopCacheView, additive_mask, ensure_cache_slots, plain_attention_mask, positions_from_mask
+
+_NEG = -1.0e30  # finite "−∞" for scores and the empty online-softmax max (keeps exp() exact zeros and no NaNs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Index algebra (spec §4)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def chunk_offset(config, g: int) -> int:
+    """ω_t: half a chunk (staggers the triggers of a power-of-two schedule, spec §4.3) or zero."""
+    return g // 2 if config.chunk_offset == "half" else 0
+
+
+def shift_of(config, g: int) -> int:
+    """s_t: g − 1 (overlap; the closing token reads its own chunk) or g (no overlap; pipelinable)."""
+    return g - 1 if config.shift == "overlap" else g
+
+
+def reader_index(config, g: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form read map of ũ_i = u_{i−s}: chunk j, allocation index k, and whether token `pos` gets an update.
+
+    overlap: j* = ⌊(i+ω+1)/g⌋ − 1, k* = (i+ω+1) mod g; no overlap: j = π(i) − 1, k = ρ(i). The literal frame gives no
+    update to the first s tokens (u is defined on real tokens only); the padded frame only requires j ≥ 0.
+    """
+    omega, s = chunk_offset(config, g), shift_of(config, g)
+    q = pos + omega + (1 if config.shift == "overlap" else 0)
+    j = torch.div(q, g, rounding_mode="floor") - 1
+    k = q % g
+    readable = j >= 0
+    if config.shift_frame == "literal":
+        readable = readable & (pos >= s)
+    return j, k, readable
+
+
+def latent_position_ids(config, g: int, j: torch.Tensor) -> torch.Tensor:
+    """RoPE position of latent j (spec §6, D-7)."""
+    if config.latent_positions == "chunk_index":
+        return j
+    if config.latent_positions == "last_token":
+        return (j + 1) * g - chunk_offset(config, g) - 1
+    return j * g
+
+
+class _SlotLayout:
+    """Virtual cache indices (spec §7.3) and the `LoopCacheView` offsets of each physical layer group."""
+
+    def __init__(self, config):
+        n_pre, n_loop, n_post, T = (
+            config.num_pre_layers,
+            config.num_loop_layers,
+            config.num_post_layers,
+            len(config.chunk_sizes),
+        )
+        if n_pre >= 1:
+            self.pre, self.core, self.post = 0, n_pre, n_pre + T * n_loop
+        else:  # slot 0 must count tokens (generate reads cache.get_seq_length())
+            self.pre, self.post, self.core = 0, 0, n_post
+        self.n_pre, self.n_loop, self.n_post, self.T = n_pre, n_loop, n_post, T
+        self.bookkeeping = n_pre + T * n_loop + n_post
+        self.total = self.bookkeeping + 2 * T
+
+    def pre_offset(self) -> int:
+        return self.pre  # physical index l → slot l
+
+    def core_offset(self, t: int) -> int:
+        return self.core + t * self.n_loop - self.n_pre  # physical n_pre + l → core + t·n_loop + l
+
+    def post_offset(self) -> int:
+        return self.post - self.n_pre - self.n_loop  # physical n_pre + n_loop + l → post + l
+
+    def state_slot(self, t: int) -> int:
+        return self.bookkeeping + 2 * t
+
+    def valid_slot(self, t: int) -> int:
+        return self.bookkeeping + 2 * t + 1
+
+
+def _pad_seq(x: torch.Tensor, left: int, right: int = 0, value: float = 0.0) -> torch.Tensor:
+    """Pad dim 1 of a (b, L) or (b, L, d) tensor."""
+    if x.dim() == 2:
+        return F.pad(x, (left, right), value=value)
+    return F.pad(x, (0, 0, left, right), value=value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pretrained base
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiralFormerPreTrainedModel(PreTrainedModel):
+    config: SpiralFormerConfig
+    config_class = SpiralFormerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3DecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # latent and padded-row masks are explicit 4-D float masks
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        role = getattr(module, "_spiral_init", None)
+        if role is None:
+            return
+        if role == "zeros":  # scorers A and allocators B: training starts as mean pooling / uniform broadcast
+            init.zeros_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif role == "depth_scaled":  # o_proj / down_proj: std × 1/√(2·N_compute) [M, D-18]
+            std = self.config.initializer_range / math.sqrt(2 * self.config.num_virtual_layers)
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif role == "identity_router":  # all writes and reads go to slot 1 [D-22]
+            init.zeros_(module.weight)
+            bias = torch.zeros_like(module.bias)
+            bias[1] = 30.0
+            init.copy_(module.bias, bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Base model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiralFormerModel(SpiralFormerPreTrainedModel):
+    def __init__(self, config: SpiralFormerConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        n_phys = config.num_pre_layers + config.num_loop_layers + config.num_post_layers
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(n_phys)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        d = config.hidden_size
+        self.scorers = nn.ModuleDict()
+        self.allocators = nn.ModuleDict()
+        for t, g in enumerate(config.chunk_sizes):
+            if g == 1:  # g = 1 is a plain loop step: no scorer, no allocator
+                continue
+            if config.downscale == "self_aggregation":
+                self.scorers[str(t)] = nn.Linear(d, 1, bias=False)
+                self.scorers[str(t)]._spiral_init = "zeros"
+            if config.upscale == "output_dependent":
+                self.allocators[str(t)] = nn.Linear(d, g, bias=True)
+                self.allocators[str(t)]._spiral_init = "zeros"
+        self.routers = None
+        if config.topology == "mesh":
+            B = config.mesh_slots
+            self.routers = nn.ModuleDict(
+                {
+                    name: nn.ModuleDict(
+                        {str(t): nn.Linear(d, B, bias=True) for t in range(len(config.chunk_sizes) + 1)}
+                    )
+                    for name in ("write", "read")
+                }
+            )
+            if config.router_init == "identity":
+                for group in self.routers.values():
+                    for lin in group.values():
+                        lin._spiral_init = "identity_router"
+        if config.depth_scaled_init:
+            for layer in self.layers:
+                layer.self_attn.o_proj._spiral_init = "depth_scaled"
+                layer.mlp.down_proj._spiral_init = "depth_scaled"
+        self.layout = _SlotLayout(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # --- layer groups -------------------------------------------------------------------------------------------------
+
+    @property
+    def pre_layers(self):
+        return self.layers[: self.config.num_pre_layers]
+
+    @property
+    def core_layers(self):
+        n = self.config.num_pre_layers
+        return self.layers[n : n + self.config.num_loop_layers]
+
+    @property
+    def post_layers(self):
+        return self.layers[self.config.num_pre_layers + self.config.num_loop_layers :]
+
+    def _run(self, layers, h, mask, pos, cache, offset, use_cache, **kwargs):
+        view = LoopCacheView(cache, offset) if cache is not None else None
+        pos_emb = self.rotary_emb(h, pos)
+        for layer in layers:
+            h = layer(h, attention_mask=mask, position_ids=pos, cache=view, use_cache=use_cache,
+                      position_embeddings=pos_emb, **kwargs)
+        return h
+
+    # --- operators shared by the full forward and decoding ------------------------------------------------------------
+
+    def _scores(self, t: int, h: torch.Tensor) -> torch.Tensor | None:
+        """Self-aggregation scores A(t)(h) in fp32 (None for mean pooling / g = 1)."""
+        key = str(t)
+        if key not in self.scorers:
+            return None
+        return self.scorers[key](h).squeeze(-1).float()
+
+    def _allocation(self, t: int, zhat: torch.Tensor) -> torch.Tensor:
+        """β over the g readers of each latent (fp32 softmax; uniform 1/g without an allocator)."""
+        g = self.config.chunk_sizes[t]
+        key = str(t)
+        if key not in self.allocators:
+            return torch.full((*zhat.shape[:-1], g), 1.0 / g, dtype=zhat.dtype, device=zhat.device)
+        return torch.softmax(self.allocators[key](zhat).float(), dim=-1).to(zhat.dtype)
+
+    def _route(self, index: int, h: torch.Tensor):
+        """MeSH write/read weights of step `index` (0 = transitional, t + 1 = loop step t), fp32 softmax over slots."""
+        w_write = torch.softmax(self.routers["write"][str(index)](h).float(), dim=-1).to(h.dtype)
+        w_read = torch.softmax(self.routers["read"][str(index)](h).float(), dim=-1).to(h.dtype)
+        return w_write, w_read
+
+    @staticmethod
+    def _mesh_write_read(memory, update, w_write, w_read):
+        """M ← M + w_write ⊙ update (one scalar per token and slot); h = Σ_b w_read,b ⊙ M_b."""
+        memory = memory + w_write.unsqueeze(-1) * update.unsqueeze(-2)
+        return memory, (w_read.unsqueeze(-1) * memory).sum(-2)
+
+    def _core(self, t, z, lat_pos, mask, cache, use_cache, **kwargs):
+        """Shared core on latents; returns (ẑ, v) where v feeds the update (ẑ or ẑ − z)."""
+        zhat = self._run(self.core_layers, z, mask, lat_pos, cache, self.layout.core_offset(t), use_cache, **kwargs)
+        v = zhat - z if self.config.core_output == "delta" else zhat
+        return zhat, v
+
+    # --- one loop step over a whole sequence (spec §6) ----------------------------------------------------------------
+
+    def spiral_step(self, h, t, pos, valid, aligned, cache=None, use_cache=False, force_gather=False, **kwargs):
+        """ũ(t) for every token of `h` (b, L, d). `pos` (b, L) token positions, `valid` (b, L) real-token mask.
+
+        `aligned` (no padding, positions 0..L−1 in every row) takes the reshape path of the spec; otherwise (or with
+        `force_gather`) chunk membership and the read map come from per-row positions (closed-form gather).
+        When `cache` is given (prefill), it writes core K/V, the validity of each latent column and the decode state.
+        """
+        g = self.config.chunk_sizes[t]
+        omega, s, lam = chunk_offset(self.config, g), shift_of(self.config, g), math.sqrt(g)
+        b, L, d = h.shape
+        scores = self._scores(t, h)
+        n_real = torch.where(valid, pos, torch.full_like(pos, -1)).amax(dim=1) + 1  # tokens per row (b,)
+        lt_row = torch.div(n_real + omega, g, rounding_mode="floor")  # closed chunks per row
+        Lt = int(lt_row.max().item()) if b > 0 else 0
+        P = Lt * g
+
+        zhat = v = beta = None
+        if Lt > 0:
+            # ---- down-scaling: the (b, Lt, g) padded frame, virtual / absent members masked ----
+            if aligned and not force_gather:
+                hp = _pad_seq(h, omega)[:, :P]
+                sp = _pad_seq(scores, omega, value=_NEG)[:, :P] if scores is not None else None
+                member = _pad_seq(torch.ones(b, L, device=h.device), omega)[:, :P] > 0.5
+            else:
+                fidx = pos + omega
+                inframe = valid & (fidx < P)
+                inv = torch.full((b, P + 1), L, dtype=torch.long, device=h.device)
+                target = torch.where(inframe, fidx, torch.full_like(fidx, P))  # non-members go to a dump slot P
+                inv.scatter_(1, target, torch.arange(L, device=h.device).expand(b, L))
+                inv = inv[:, :P]
+                member = inv < L
+                hp = torch.gather(_pad_seq(h, 0, 1), 1, inv.unsqueeze(-1).expand(b, P, d))
+                sp = torch.gather(_pad_seq(scores, 0, 1, value=_NEG), 1, inv) if scores is not None else None
+            hp = hp.reshape(b, Lt, g, d)
+            if sp is not None:
+                sp = sp.masked_fill(~member, _NEG).reshape(b, Lt, g)
+                alpha = torch.softmax(sp, dim=-1).to(h.dtype)
+                z = (alpha.unsqueeze(-1) * hp).sum(2)
+            else:
+                z = hp.sum(2) / g  # literal 1/g: virtual members count as zeros [D-9]
+
+            # ---- core on the latents (causal over latents, explicit mask) ----
+            j = torch.arange(Lt, device=h.device)
+            lat_pos = latent_position_ids(self.config, g, j).unsqueeze(0).expand(b, Lt)
+            lat_mask = additive_mask((j[None, :] <= j[:, None])[None, None], h.dtype)
+            zhat, v = self._core(t, z, lat_pos, lat_mask, cache, use_cache, **kwargs)
+            beta = self._allocation(t, zhat)  # (b, Lt, g)
+
+            # ---- up-scaling, shift ----
+            if aligned and not force_gather:
+                u_pad = (lam * beta.unsqueeze(-1) * v.unsqueeze(2)).reshape(b, P, d)  # slot p ↔ token p − ω
+                if self.config.shift_frame == "padded":
+                    e = _pad_seq(u_pad, s, max(0, omega + L - s - P))[:, omega : omega + L]
+                else:
+                    u = _pad_seq(u_pad[:, omega:], 0, max(0, L - (P - omega)))[:, :L]
+                    e = _pad_seq(u, s)[:, :L]
+            else:
+                jr, kr, readable = reader_index(self.config, g, pos)
+                readable = readable & valid
+                jc = jr.clamp(0, Lt - 1)
+                b_sel = torch.gather(beta, 1, jc.unsqueeze(-1).expand(b, L, g))
+                b_sel = torch.gather(b_sel, 2, kr.unsqueeze(-1))  # (b, L, 1)
+                v_sel = torch.gather(v, 1, jc.unsqueeze(-1).expand(b, L, d))
+                e = (lam * b_sel * v_sel) * readable.unsqueeze(-1).to(h.dtype)
+        else:
+            e = torch.zeros_like(h)
+
+        if cache is not None and use_cache:
+            self._write_prefill_state(cache, t, h, scores, pos, valid, lt_row, Lt, v, beta)
+        return e
+
+    # --- cache bookkeeping --------------------------------------------------------------------------------------------
+
+    # packed decode state of iteration t, fp32 (b, 1, 1, 3 + 2d + g): [tokens seen, m, Z, S (d), v_last (d), β_last (g)]
+
+    def _pack_state(self, count, m, Z, S, v_last, beta_last):
+        return torch.cat([count[:, None], m[:, None], Z[:, None], S, v_last, beta_last], dim=-1)[:, None, None, :]
+
+    def _unpack_state(self, t, packed):
+        d, g = self.config.hidden_size, self.config.chunk_sizes[t]
+        x = packed[:, 0, 0, :]
+        return x[:, 0], x[:, 1], x[:, 2], x[:, 3 : 3 + d], x[:, 3 + d : 3 + 2 * d], x[:, 3 + 2 * d : 3 + 2 * d + g]
+
+    def _check_state(self, cache, past: int) -> None:
+        """The decode state must cover exactly the cached tokens: a cropped cache (assisted / prompt-lookup decoding)
+        cannot roll back the open-chunk accumulators, so it is refused instead of giving a silently different answer."""
+        layer = cache.layers[self.layout.state_slot(0)]
+        seen = int(layer.keys[0, 0, 0, 0].item()) if layer.get_seq_length() > 0 else -1  # crop empties this slot
+        if seen != past:
+            raise ValueError(
+                f"SpiralFormer decode state covers {seen} tokens but the cache holds {past}: cropping or editing a "
+                "SpiralFormer cache (assisted or prompt-lookup decoding) is not supported"
+            )
+
+    def _store_state(self, cache, t, packed):
+        layer = cache.layers[self.layout.state_slot(t)]
+        if not layer.is_initialized:
+            layer.lazy_initialization(packed, packed)
+        layer.keys = packed
+        layer.values = packed
+
+    def _write_prefill_state(self, cache, t, h, scores, pos, valid, lt_row, Lt, v, beta):
+        """Decode state after a prefill (spec §7.2): open-chunk accumulator, last closed latent, column validity."""
+        g = self.config.chunk_sizes[t]
+        omega = chunk_offset(self.config, g)
+        b, L, d = h.shape
+        if Lt > 0:
+            col_valid = (torch.arange(Lt, device=h.device)[None, :] < lt_row[:, None]).float()
+            cache.layers[self.layout.valid_slot(t)].update(col_valid[:, None, :, None], col_valid[:, None, :, None])
+        # open chunk = the chunk index lt_row of each row
+        open_member = valid & (torch.div(pos + omega, g, rounding_mode="floor") == lt_row[:, None])
+        a = scores if scores is not None else torch.zeros(b, L, dtype=torch.float32, device=h.device)
+        a = a.masked_fill(~open_member, _NEG)
+        m = a.amax(dim=1)
+        m = torch.where(open_member.any(1), m, torch.full_like(m, _NEG))
+        w = torch.exp(a - m[:, None]) * open_member.float()
+        Z = w.sum(1)
+        S = (w.unsqueeze(-1) * h.float()).sum(1)
+        if Lt > 0:
+            last = (lt_row - 1).clamp(min=0)
+            has = (lt_row > 0).float()[:, None]
+            v_last = v.float()[torch.arange(b, device=h.device), last] * has
+            beta_last = beta.float()[torch.arange(b, device=h.device), last] * has
+        else:
+            v_last = torch.zeros(b, d, dtype=torch.float32, device=h.device)
+            beta_last = torch.zeros(b, g, dtype=torch.float32, device=h.device)
+        count = torch.full((b,), float(L), dtype=torch.float32, device=h.device)
+        self._store_state(cache, t, self._pack_state(count, m, Z, S, v_last, beta_last))
+
+    # --- one token against the cache (spec §7.2) ----------------------------------------------------------------------
+
+    def _decode_level(self, t, h, pos, valid, cache, **kwargs):
+        """ũ(t) for one new token per row (h: (b, 1, d), pos/valid: (b,)) and the cache update of iteration t."""
+        cfg = self.config
+        g = cfg.chunk_sizes[t]
+        omega, lam = chunk_offset(cfg, g), math.sqrt(g)
+        b, _, d = h.shape
+        count, m, Z, S, v_last, beta_last = self._unpack_state(t, cache.layers[self.layout.state_slot(t)].keys)
+
+        def read(v_last, beta_last):
+            j, k, readable = reader_index(cfg, g, pos)
+            coef = beta_last.gather(1, k[:, None]) * (readable & valid).float()[:, None]
+            return (lam * coef * v_last).to(h.dtype)[:, None, :]
+
+        e = read(v_last, beta_last) if cfg.shift == "no_overlap" else None  # no overlap: read before the trigger
+
+        # online softmax (fp32) over the open chunk, before the trigger test
+        hf = h[:, 0].float()
+        scores = self._scores(t, h)
+        a = scores[:, 0] if scores is not None else torch.zeros(b, dtype=torch.float32, device=h.device)
+        m_new = torch.maximum(m, a)
+        keep, add = torch.exp(m - m_new), torch.exp(a - m_new)
+        m2 = torch.where(valid, m_new, m)
+        Z2 = torch.where(valid, Z * keep + add, Z)
+        S2 = torch.where(valid[:, None], S * keep[:, None] + add[:, None] * hf, S)
+
+        trigger = valid & ((pos + omega + 1) % g == 0)
+        if bool(trigger.any()):
+            z = (S2 / Z2.clamp(min=1e-30)[:, None]) if scores is not None else S2 / g
+            z = z.to(h.dtype)[:, None, :]
+            j_new = torch.div(pos + omega + 1, g, rounding_mode="floor") - 1
+            lat_pos = latent_position_ids(cfg, g, j_new)[:, None]
+            vlayer = cache.layers[self.layout.valid_slot(t)]
+            if vlayer.get_seq_length() > 0:
+                cols = vlayer.keys[:, 0, :, 0] > 0.5  # core-cache columns this row owns
+            else:
+                cols = torch.zeros(b, 0, dtype=torch.bool, device=h.device)
+            allowed = torch.cat([cols, torch.ones(b, 1, dtype=torch.bool, device=h.device)], dim=1)
+            core_mask = additive_mask(allowed[:, None, None, :], h.dtype)
+            zhat, v = self._core(t, z, lat_pos, core_mask, cache, True, **kwargs)
+            beta = self._allocation(t, zhat)
+            tv = trigger.float()[:, None, None, None]
+            vlayer.update(tv, tv)
+            v_last = torch.where(trigger[:, None], v[:, 0].float(), v_last)
+            beta_last = torch.where(trigger[:, None], beta[:, 0].float(), beta_last)
+            reset = trigger
+            m2 = torch.where(reset, torch.full_like(m2, _NEG), m2)
+            Z2 = torch.where(reset, torch.zeros_like(Z2), Z2)
+            S2 = torch.where(reset[:, None], torch.zeros_like(S2), S2)
+        self._store_state(cache, t, self._pack_state(count + 1, m2, Z2, S2, v_last, beta_last))
+        if e is None:
+            e = read(v_last, beta_last)
+        return e
+
+    # --- forward ------------------------------------------------------------------------------------------------------
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+            raise ValueError(
+                "SpiralFormer does not support packed (padding-free) batches: chunks would straddle documents"
+            )
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+            kwargs.pop(key, None)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        x = inputs_embeds
+        if self.config.scale_embeddings:
+            x = x * math.sqrt(self.config.hidden_size)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False  # checkpointed layers drop the cache anyway; keep the bookkeeping consistent
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        if not use_cache:
+            cache = None
+        if cache is not None:
+            ensure_cache_slots(cache, self.layout.total)
+        past = cache.get_seq_length() if cache is not None else 0
+        b, L, _ = x.shape
+
+        attention_mask = plain_attention_mask(attention_mask)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("SpiralFormer takes a 2-D padding attention_mask (batch, past + new tokens)")
+        if attention_mask is not None and attention_mask.shape[1] != past + L:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} tokens, expected past ({past}) + new ({L})"
+            )
+        if attention_mask is not None:
+            key_valid = attention_mask.bool()
+        else:
+            key_valid = torch.ones(b, past + L, dtype=torch.bool, device=x.device)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, past, L, x.device)
+        position_ids = position_ids.to(x.device).expand(b, L)
+        if past == 0 and attention_mask is None and L > 1 and bool((position_ids[:, 1:] <= position_ids[:, :-1]).any()):
+            raise ValueError("SpiralFormer does not support packed (padding-free) batches: position_ids must increase")
+
+        if past == 0:
+            h = self._forward_full(x, key_valid, position_ids, cache, use_cache, **kwargs)
+        else:
+            outs = []
+            for i in range(L):  # extending a non-empty cache: one token at a time [D-16]
+                tok_valid = key_valid[:, : past + i + 1]
+                outs.append(self._forward_token(x[:, i : i + 1], tok_valid, position_ids[:, i], cache, **kwargs))
+            h = torch.cat(outs, dim=1)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), cache=cache)
+
+    def _forward_full(self, x, key_valid, pos, cache, use_cache, force_gather=False, **kwargs):
+        b, L, _ = x.shape
+        valid = key_valid[:, -L:]
+        aligned = bool(valid.all()) and bool((pos == torch.arange(L, device=x.device)).all())
+        idx = torch.arange(L, device=x.device)
+        tok_mask = additive_mask(((idx[None, :] <= idx[:, None])[None] & valid[:, None, :])[:, None], x.dtype)
+        h = self._run(self.pre_layers, x, tok_mask, pos, cache, self.layout.pre_offset(), use_cache, **kwargs)
+        mesh = self.config.topology == "mesh"
+        if mesh:
+            memory = torch.zeros(*x.shape[:2], self.config.mesh_slots, x.shape[-1], dtype=x.dtype, device=x.device)
+            memory[:, :, 0] = x
+            w_write, w_read = self._route(0, x)
+            memory, h = self._mesh_write_read(memory, h, w_write, w_read)
+        h0 = h
+        for t in range(len(self.config.chunk_sizes)):
+            e = self.spiral_step(h, t, pos, valid, aligned, cache, use_cache, force_gather=force_gather, **kwargs)
+            if mesh:
+                w_write, w_read = self._route(t + 1, h)
+                memory, h = self._mesh_write_read(memory, e, w_write, w_read)
+            else:
+                h = h0 + e
+        return self._run(self.post_layers, h, tok_mask, pos, cache, self.layout.post_offset(), use_cache, **kwargs)
+
+    def _forward_token(self, x, key_valid, pos, cache, **kwargs):
+        """One token per row (x: (b, 1, d)) against a non-empty cache."""
+        self._check_state(cache, key_valid.shape[1] - 1)
+        tok_mask = additive_mask(key_valid[:, None, None, :], x.dtype)
+        valid = key_valid[:, -1]
+        pos2 = pos[:, None]
+        h = self._run(self.pre_layers, x, tok_mask, pos2, cache, self.layout.pre_offset(), True, **kwargs)
+        mesh = self.config.topology == "mesh"
+        if mesh:
+            memory = torch.zeros(*x.shape[:2], self.config.mesh_slots, x.shape[-1], dtype=x.dtype, device=x.device)
+            memory[:, :, 0] = x
+            w_write, w_read = self._route(0, x)
+            memory, h = self._mesh_write_read(memory, h, w_write, w_read)
+        h0 = h
+        for t in range(len(self.config.chunk_sizes)):
+            e = self._decode_level(t, h, pos, valid, cache, **kwargs)
+            if mesh:
+                w_write, w_read = self._route(t + 1, h)
+                memory, h = self._mesh_write_read(memory, e, w_write, w_read)
+            else:
+                h = h0 + e
+        return self._run(self.post_layers, h, tok_mask, pos2, cache, self.layout.post_offset(), True, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Causal LM
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SpiralFormerConfig):
+        super().__init__(config)
+        self.model = SpiralFormerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+
+
+__all__ = ["SpiralFormerPreTrainedModel", "SpiralFormerModel", "SpiralFormerForCausalLM"]
