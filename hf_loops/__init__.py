@@ -21,7 +21,30 @@ _register(TaH2Config, TaH2Model, TaH2ForCausalLM)
 
 # --- other architectures register below (one block each) ---
 
+from .modeling.configuration_spiralformer import SPIRALFORMER_PRESETS, SpiralFormerConfig  # noqa: E402
+from .modeling.modeling_spiralformer import (  # noqa: E402
+    SpiralFormerForCausalLM,
+    SpiralFormerModel,
+    SpiralFormerPreTrainedModel,
+)
+
+_register(SpiralFormerConfig, SpiralFormerModel, SpiralFormerForCausalLM)
+
+from .modeling.configuration_sgt import SGTConfig  # noqa: E402
+from .modeling.modeling_sgt import SGTForCausalLM, SGTModel, SGTPreTrainedModel  # noqa: E402
+
+_register(SGTConfig, SGTModel, SGTForCausalLM)
+
 __all__ = [
+    "SPIRALFORMER_PRESETS",
+    "SpiralFormerConfig",
+    "SpiralFormerForCausalLM",
+    "SpiralFormerModel",
+    "SpiralFormerPreTrainedModel",
+    "SGTConfig",
+    "SGTForCausalLM",
+    "SGTModel",
+    "SGTPreTrainedModel",
     "TAH2_PRESETS",
     "TaH2Cache",
     "TaH2CausalLMOutput",

@@ -6,12 +6,12 @@ keep their state-dict names.
 
 from __future__ import annotations
 
-from ..modeling.configuration_tah2 import TaH2Config
-from ..modeling.modeling_tah2 import TaH2ForCausalLM
-from ..modeling.configuration_spiralformer import SpiralFormerConfig
-from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
 from ..modeling.configuration_sgt import SGTConfig
+from ..modeling.configuration_spiralformer import SpiralFormerConfig
+from ..modeling.configuration_tah2 import TaH2Config
 from ..modeling.modeling_sgt import SGTForCausalLM
+from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
+from ..modeling.modeling_tah2 import TaH2ForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     "tah2": (TaH2Config, TaH2ForCausalLM),

@@ -1,0 +1,1 @@
+"""Analysis wing: probes, FLOPs accounting, plots."""

@@ -1,0 +1,502 @@
+"""SGT (Sparse Growing Transformer) on a Qwen3 backbone (spec: shared/specs/sgt.md).
+
+In a looped layer l only the attention sub-layer is re-applied, K_l extra times, and only for the kept heads S_l:
+
+    H0 = X + W_O · Attn(Norm_a(X))                                    # the normal Qwen3 attention sub-layer
+    Hk = H(k-1) + Σ_{h∈S_l} g_h · W_O[:, h] · Attn_h(Norm_a(H(k-1)))   # k = 1..K_l, Q/K/V recomputed every loop
+    Y  = HK + MLP(Norm_f(HK))
+
+No new parameters: the loops reuse the layer's own `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (with q/k RMSNorm and
+RoPE at the same positions), `o_proj`. Layers keep Qwen3's state-dict names, so an empty plan is exactly Qwen3.
+
+Two loop paths:
+- sliced (inference and outside decay windows): index-selected rows of the shared projections, only the kept query
+  heads and the key/value heads serving them (GQA) are computed and cached;
+- masked (the reference form, `loop_masked=True`): all heads, gates applied to the head outputs before `o_proj`.
+During a decay window the sliced path runs over every head whose gate is still > 0 and scales it by its gate.
+
+Cache: slot (l, k) is the virtual layer index `num_hidden_layers + slot(l, k)` in `cache.layers` (slots ordered by
+layer then loop); each holds only the kept heads' key/value groups. Causality makes caching each loop's K/V exact.
+
+Entropy probe (training only, while the growth callback asks for it): for each attention pass, the normalised entropy
+of one query row per sequence (the last valid one, or a few sampled rows), computed from the same post-RoPE Q/K under
+`no_grad` without ever materialising a T×T attention matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .configuration_sgt import SGTConfig
+from .loop_utils import LoopCacheView, ensure_cache_slots, plain_attention_mask, positions_from_mask
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Entropy statistic (§3)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def attention_row_entropy(query, key, attention_mask, rows, scaling: float) -> torch.Tensor:
+    """Normalised attention entropy of selected query rows, per head, averaged over rows and batch.
+
+    query: (B, Hq, T, d) post-RoPE; key: (B, Hq, S, d) post-RoPE, already expanded to the query heads; rows: (B, R)
+    query indices in [0, T); attention_mask: None (causal, keys j <= i + S - T), a 4-D bool (True = keep) or a 4-D
+    float additive mask. Entropy of row i is H(a_i) / log(n_i), n_i = number of visible keys (0 when n_i <= 1).
+    Only the R selected rows' logits are formed: O(B·H·R·S·d), never a T×S matrix.
+    """
+    b, hq, t, d = query.shape
+    s = key.shape[2]
+    r = rows.shape[1]
+    q = query.float().gather(2, rows[:, None, :, None].expand(b, hq, r, d))
+    logits = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # (B, Hq, R, S)
+    if attention_mask is None:
+        allowed = torch.arange(s, device=q.device)[None, None, :] <= (rows[:, :, None] + (s - t))  # (B, R, S)
+        allowed = allowed[:, None]
+    else:
+        m = attention_mask[..., -s:]
+        m = m.expand(b, m.shape[1], t, s).gather(2, rows[:, None, :, None].expand(b, m.shape[1], r, s))
+        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    allowed = allowed.expand(b, hq, r, s)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    plogp = torch.where(allowed, logp.exp() * logp, torch.zeros((), device=q.device))
+    entropy = -plogp.sum(-1)  # (B, Hq, R)
+    n = allowed.sum(-1).float()
+    norm = torch.where(n > 1, entropy / n.clamp_min(2).log(), torch.zeros_like(entropy))
+    return norm.mean(dim=(0, 2))
+
+
+def probe_rows_from_mask(attention_mask, batch: int, length: int, estimator: str, num_rows: int, device) -> torch.Tensor:
+    """Query rows the entropy probe reads, per sequence: (B, R) indices.
+
+    "last_row": the last valid position (T − 1 without right padding, as in the official code).
+    "sampled_rows": that row plus `num_rows − 1` rows spread evenly (stratum midpoints, deterministic) over the valid
+    positions >= 64 (all valid positions when the sequence is too short).
+    """
+    idx = torch.arange(length, device=device)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        valid = attention_mask[:, -length:].bool()
+        last = torch.where(valid, idx, torch.full_like(idx, -1)).amax(-1).clamp_min(0)
+        first = torch.where(valid, idx, torch.full_like(idx, length)).amin(-1).clamp_max(length - 1)
+    else:
+        last = torch.full((batch,), length - 1, device=device, dtype=torch.long)
+        first = torch.zeros((batch,), device=device, dtype=torch.long)
+    if estimator == "last_row" or num_rows <= 1:
+        return last[:, None]
+    extra = num_rows - 1
+    lo = torch.where(last - (first + 64) >= extra, first + 64, first)
+    span = (last - lo).clamp_min(0).float()
+    frac = (torch.arange(extra, device=device, dtype=torch.float) + 0.5) / extra
+    picks = lo[:, None] + (frac[None, :] * span[:, None]).floor().long()
+    return torch.cat([picks.clamp(max=length - 1), last[:, None]], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention with loops
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _HeadSubset:
+    """What the attention interfaces read from `module`, for a sliced loop whose K/V are already expanded per head."""
+
+    num_key_value_groups = 1
+    is_causal = True
+
+    def __init__(self, attn: Qwen3Attention):
+        self.config = attn.config
+        self.training = attn.training
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+
+
+class SGTAttention(Qwen3Attention):
+    """`Qwen3Attention` (same parameters, same base computation) plus the looped passes and the entropy probe."""
+
+    def _interface(self):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, probe=None, **kwargs):
+        # Step for step Qwen3Attention.forward, so an empty plan reproduces Qwen3 bit for bit.
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        if probe is not None:
+            probe(query_states, key_states, self.num_key_value_groups, None)
+        attn_output, attn_weights = self._interface()(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def loop_masked(self, normed, position_embeddings, attention_mask, gate, cache=None, slot=None, probe=None,
+                    **kwargs):
+        """Reference loop: every head computed, head outputs scaled by `gate` (H,) before W_O."""
+        input_shape = normed.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(normed).view(hidden_shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(normed).view(hidden_shape)).transpose(1, 2)
+        v = self.v_proj(normed).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, slot)
+        if probe is not None:
+            probe(q, k, self.num_key_value_groups, None)
+        out, _ = self._interface()(
+            self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+        )  # (B, T, H, d)
+        out = out * gate.to(out.dtype)[None, None, :, None]
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+    def _slice_indices(self, heads: tuple[int, ...], device):
+        """Row indices of the kept query heads and of the kv heads κ(S) serving them; per-head kv position."""
+        key = (heads, str(device))
+        cached = getattr(self, "_slice_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        d, groups = self.head_dim, self.num_key_value_groups
+        kv_heads = sorted({h // groups for h in heads})
+        q_rows = torch.tensor([h * d + i for h in heads for i in range(d)], device=device)
+        kv_rows = torch.tensor([g * d + i for g in kv_heads for i in range(d)], device=device)
+        kv_of_head = torch.tensor([kv_heads.index(h // groups) for h in heads], device=device)
+        value = (q_rows, kv_rows, kv_of_head, len(kv_heads))
+        self._slice_cache = (key, value)
+        return value
+
+    def loop_sliced(self, normed, position_embeddings, attention_mask, heads, gate=None, cache=None, slot=None,
+                    probe=None, **kwargs):
+        """Sparse loop: only the query heads `heads` and their kv heads are computed (and cached), W_O column slice."""
+        heads = tuple(heads)
+        q_rows, kv_rows, kv_of_head, n_kv = self._slice_indices(heads, normed.device)
+        b, t = normed.shape[:2]
+        d = self.head_dim
+
+        def proj(linear, rows):
+            bias = linear.bias.index_select(0, rows) if linear.bias is not None else None
+            return F.linear(normed, linear.weight.index_select(0, rows), bias)
+
+        q = self.q_norm(proj(self.q_proj, q_rows).view(b, t, len(heads), d)).transpose(1, 2)
+        k = self.k_norm(proj(self.k_proj, kv_rows).view(b, t, n_kv, d)).transpose(1, 2)
+        v = proj(self.v_proj, kv_rows).view(b, t, n_kv, d).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, slot)
+        # GQA: give every kept query head its own kv head (κ(h)), then attend head by head.
+        k = k.index_select(1, kv_of_head)
+        v = v.index_select(1, kv_of_head)
+        if probe is not None:
+            probe(q, k, 1, heads)
+        out, _ = self._interface()(
+            _HeadSubset(self), q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+        )  # (B, T, h, d)
+        if gate is not None:
+            out = out * gate.to(out.dtype)[None, None, :, None]
+        w_o = self.o_proj.weight.index_select(1, q_rows)
+        return F.linear(out.reshape(b, t, len(heads) * d), w_o, self.o_proj.bias)
+
+
+class SGTDecoderLayer(Qwen3DecoderLayer):
+    """A Qwen3 decoder layer whose attention sub-layer can be re-applied `loop_depth` times for `loop_heads`.
+
+    The loop structure is plain Python state (static for `torch.compile`), set from the config's `loop_plan` at build
+    time or by the growth callback through `SGTModel.set_loop`. `head_gate` (H,) holds the gates g_h.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = SGTAttention(config=config, layer_idx=layer_idx)
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.loop_depth = 0
+        self.loop_heads: list[int] = []  # heads computed by the sliced path (gate > 0)
+        self.loop_gated = False  # some gate of loop_heads is in (0, 1): scale head outputs by their gates
+        self.loop_masked = False  # use the reference (all heads, masked) path instead of the sliced one
+        self._gate_list = [1.0] * self.num_heads
+        self.register_buffer("head_gate", torch.ones(self.num_heads), persistent=False)
+        self.collect_entropy = False
+        self.entropy_sum: torch.Tensor | None = None  # (rows = loop index 0..K, H)
+        self.entropy_count: torch.Tensor | None = None
+
+    # --- structure -----------------------------------------------------------------------------------------------
+    def set_loop(self, heads, depth: int, gates=None) -> None:
+        """Loop `heads` `depth` extra times; `gates` (H floats in [0, 1]) default to 1 on `heads`, 0 elsewhere."""
+        if gates is None:
+            gates = [1.0 if h in set(heads) else 0.0 for h in range(self.num_heads)]
+        gates = [float(g) for g in gates]
+        if len(gates) != self.num_heads or any(not 0.0 <= g <= 1.0 for g in gates):
+            raise ValueError(f"gates must be {self.num_heads} floats in [0, 1], got {gates}")
+        if depth < 0 or (depth > 0 and not any(g > 0.0 for g in gates)):
+            raise ValueError(f"layer {self.layer_idx}: depth must be >= 0 and a looped layer needs a head with gate > 0")
+        self.loop_depth = int(depth)
+        self.loop_heads = [h for h in range(self.num_heads) if gates[h] > 0.0]
+        self.loop_gated = any(0.0 < gates[h] < 1.0 for h in self.loop_heads)
+        self._gate_list = gates
+        with torch.no_grad():
+            self.head_gate.copy_(torch.tensor(gates, dtype=self.head_gate.dtype))
+
+    # --- entropy statistic -----------------------------------------------------------------------------------------
+    def _probe(self, loop_index: int, rows, attention_mask):
+        """A callback for SGTAttention: records per-head row entropies of this pass under `loop_index`."""
+
+        def record(query, key, groups, heads):
+            if groups > 1:
+                key = key.repeat_interleave(groups, dim=1)
+            e = attention_row_entropy(query, key, attention_mask, rows, self.self_attn.scaling)
+            n_rows = max(loop_index + 1, self.loop_depth + 1)
+            if self.entropy_sum is None or self.entropy_sum.shape[0] < n_rows:
+                new_sum = torch.zeros(n_rows, self.num_heads, device=e.device)
+                new_count = torch.zeros(n_rows, self.num_heads, device=e.device)
+                if self.entropy_sum is not None:
+                    new_sum[: self.entropy_sum.shape[0]] = self.entropy_sum
+                    new_count[: self.entropy_count.shape[0]] = self.entropy_count
+                self.entropy_sum, self.entropy_count = new_sum, new_count
+            idx = slice(None) if heads is None else torch.tensor(heads, device=e.device)
+            self.entropy_sum[loop_index, idx] += e
+            self.entropy_count[loop_index, idx] += 1
+
+        return record
+
+    def pop_entropy(self):
+        out = (self.entropy_sum, self.entropy_count)
+        self.entropy_sum = self.entropy_count = None
+        return out
+
+    # --- forward ---------------------------------------------------------------------------------------------------
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, loop_slots=None, probe_rows=None, **kwargs):
+        probing = self.collect_entropy and probe_rows is not None
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            probe=self._probe(0, probe_rows, attention_mask) if probing else None,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        for k in range(1, self.loop_depth + 1):
+            # Each loop re-reads the stream it updated; Q, K, V from the same input norm, same positions.
+            normed = self.input_layernorm(hidden_states)
+            slot = loop_slots[k - 1] if cache is not None else None
+            probe = self._probe(k, probe_rows, attention_mask) if probing else None
+            if self.loop_masked:
+                delta = self.self_attn.loop_masked(normed, position_embeddings, attention_mask, self.head_gate,
+                                                   cache=cache, slot=slot, probe=probe, **kwargs)
+            else:
+                gate = self.head_gate[self.loop_heads] if self.loop_gated else None
+                delta = self.self_attn.loop_sliced(normed, position_embeddings, attention_mask, self.loop_heads,
+                                                   gate=gate, cache=cache, slot=slot, probe=probe, **kwargs)
+            hidden_states = hidden_states + delta
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SGTPreTrainedModel(PreTrainedModel):
+    config: SGTConfig
+    config_class = SGTConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SGTDecoderLayer"]
+    _supports_flash_attn = False  # loop slots need explicit masks; sdpa / eager only
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, SGTDecoderLayer):
+            init.copy_(module.head_gate, torch.tensor(module._gate_list, dtype=module.head_gate.dtype))
+
+
+class SGTModel(SGTPreTrainedModel):
+    def __init__(self, config: SGTConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([SGTDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.has_sliding_layers = "sliding_attention" in config.layer_types
+        for entry in config.loop_plan or []:
+            self.layers[entry["layer"]].set_loop(entry["heads"], entry["depth"])
+        self.post_init()
+
+    # --- structure API used by the growth callback ----------------------------------------------------------------
+    def set_loop(self, layer: int, heads, depth: int, gates=None) -> None:
+        if self.config.loop_mode != "heads":
+            raise ValueError("set_loop needs loop_mode='heads' (the Block Loop baseline is static)")
+        self.layers[layer].set_loop(heads, depth, gates)
+
+    def loop_structure(self) -> list[dict]:
+        """The current loops: heads with a non-zero gate and depth, per looped layer (the plan once gates are 0/1)."""
+        return [{"layer": i, "heads": list(l.loop_heads), "depth": l.loop_depth}
+                for i, l in enumerate(self.layers) if l.loop_depth > 0]
+
+    def set_entropy_statistics(self, enabled: bool) -> None:
+        for layer in self.layers:
+            layer.collect_entropy = bool(enabled)
+            if not enabled:
+                layer.pop_entropy()
+
+    def pop_entropy_statistics(self, num_loops: int):
+        """Per-micro-batch sums and counts since the last pop: two (L, num_loops + 1, H) float tensors."""
+        device = self.embed_tokens.weight.device
+        shape = (len(self.layers), num_loops + 1, self.config.num_attention_heads)
+        sums, counts = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        for i, layer in enumerate(self.layers):
+            s, c = layer.pop_entropy()
+            if s is not None:
+                r = min(s.shape[0], num_loops + 1)
+                sums[i, :r], counts[i, :r] = s[:r].to(device), c[:r].to(device)
+        return sums, counts
+
+    def _loop_slots(self) -> tuple[list[list[int]], int]:
+        """Cache index of each (layer, loop): num_hidden_layers + running slot number, ordered by (layer, loop)."""
+        n = self.config.num_hidden_layers
+        slots = []
+        for i, layer in enumerate(self.layers):
+            reps = self._block_repeats(i) if self.config.loop_mode == "block" else layer.loop_depth
+            slots.append(list(range(n, n + reps)))
+            n += reps
+        return slots, n
+
+    def _block_repeats(self, i: int) -> int:
+        return self.config.block_loop_depth if i in self.config.block_loop_layers else 0
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if not use_cache:
+            cache = None
+        slots, num_slots = self._loop_slots()
+        if cache is not None:
+            ensure_cache_slots(cache, num_slots)
+
+        batch, length = inputs_embeds.shape[:2]
+        mask2d = plain_attention_mask(attention_mask)
+        mask2d = mask2d if isinstance(mask2d, torch.Tensor) and mask2d.dim() == 2 else None
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = positions_from_mask(mask2d, past, length, inputs_embeds.device)
+
+        if isinstance(attention_mask, dict):
+            mask_mapping = attention_mask
+        else:
+            mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                           "cache": cache, "position_ids": position_ids}
+            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if self.has_sliding_layers:
+                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        probe_rows = None
+        if self.training and any(layer.collect_entropy for layer in self.layers):
+            probe_rows = probe_rows_from_mask(mask2d, batch, length, self.config.entropy_estimator,
+                                              self.config.entropy_sample_rows, inputs_embeds.device)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for i, layer in enumerate(self.layers):
+            mask = mask_mapping[self.config.layer_types[i]]
+            common = dict(attention_mask=mask, position_ids=position_ids, use_cache=use_cache,
+                          position_embeddings=position_embeddings)
+            if self.config.loop_mode == "block":
+                # Block Loop baseline: the whole block applied 1 + block_loop_depth times, one cache slot per repeat.
+                hidden_states = layer(hidden_states, cache=cache, **common, **kwargs)
+                for slot in slots[i]:
+                    view = LoopCacheView(cache, slot - i) if cache is not None else None
+                    hidden_states = layer(hidden_states, cache=view, **common, **kwargs)
+            else:
+                hidden_states = layer(hidden_states, cache=cache, loop_slots=slots[i], probe_rows=probe_rows,
+                                      **common, **kwargs)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+
+class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SGTConfig):
+        super().__init__(config)
+        self.model = SGTModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+
+__all__ = ["SGTAttention", "SGTDecoderLayer", "SGTForCausalLM", "SGTModel", "SGTPreTrainedModel",
+           "attention_row_entropy"]

@@ -1,0 +1,313 @@
+"""SGT growth: Algorithm 1 on scripted entropies, gate decay, EMA, resume, the callback against a real model, and a
+short Trainer run on the real corpus (spec: shared/specs/sgt.md §3–§5, §12.4–§12.5, §12.8)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_loops  # noqa: F401
+from hf_loops import SGTConfig, SGTForCausalLM
+from hf_loops.training.sgt_growth import SGTGrowthCallback, SGTGrowthScheduler, gate_value
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "data" / "corpus"
+TOKENIZER = ROOT.parent / "shared" / "data" / "qwen3-tokenizer"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny CPU training steps are dominated by OpenMP thread contention on a busy 2-core box: run them on 1 thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def scripted(scores, num_heads=4, depth=3, head_bias=None):
+    """One step's entropies e[l][k][h]: layer l's heads around scores[l] (head h offset by head_bias[h])."""
+    bias = head_bias or [0.01 * h for h in range(num_heads)]
+    return [[[s + bias[h] for h in range(num_heads)] for _ in range(depth + 1)] for s in scores]
+
+
+def run(sched, entropy_at, last_step):
+    """Drive the scheduler step by step (t = 1..last_step) with entropies from entropy_at(t)."""
+    for t in range(1, last_step + 1):
+        sched.update_entropy(entropy_at(t))
+        sched.step_end(t)
+    return [(e["step"], e["event"], e.get("layer"), e.get("depth")) for e in sched.history]
+
+
+# layer 0 has the highest entropy (excluded); the top-3 eligible layers are 7 > 5 > 3.
+SCORES = [0.99, 0.1, 0.2, 0.6, 0.3, 0.7, 0.4, 0.8]
+
+
+def test_algorithm1_timeline_kmax1():
+    sched = SGTGrowthScheduler(8, 4, max_loop_depth=1)
+    trace = run(sched, lambda t: scripted(SCORES), 1300)
+    assert trace == [(250, "select", 7, 1), (500, "select", 5, 1), (750, "select", 3, 1), (1000, "fix", None, None)]
+    assert sched.phase == "fixed" and sched.selected == [7, 5, 3]  # deep to shallow, layer 0 never chosen
+    # kept heads: the top-2 by entropy (head_bias makes heads 3 and 2 the highest)
+    assert sched.plan() == [{"layer": l, "heads": [2, 3], "depth": 1} for l in (3, 5, 7)]
+    assert sched.history[-1]["reason"] == "layer budget reached"
+
+
+def test_algorithm1_deepens_before_widening_kmax3():
+    sched = SGTGrowthScheduler(8, 4, max_loop_depth=3)
+    trace = run(sched, lambda t: scripted(SCORES), 2700)
+    assert trace == [
+        (250, "select", 7, 1), (500, "deepen", 7, 2), (750, "deepen", 7, 3),
+        (1000, "select", 5, 1), (1250, "deepen", 5, 2), (1500, "deepen", 5, 3),
+        (1750, "select", 3, 1), (2000, "deepen", 3, 2), (2250, "deepen", 3, 3),
+        (2500, "fix", None, None),
+    ]
+    assert [e["depth"] for e in sched.plan()] == [3, 3, 3]
+
+
+def test_depth_threshold_and_early_fix():
+    # t <= 500: top-3 = {2, 6, 4} → select 6. Afterwards layer 7 becomes the hottest, but it is deeper than
+    # min(selected) = 6, so the next layer must be 1 (shallower); then no candidate <= 1 remains → early FIX.
+    early = [0.9, 0.1, 0.8, 0.2, 0.6, 0.3, 0.7, 0.0]
+    late = [0.9, 0.5, 0.1, 0.2, 0.1, 0.3, 0.7, 0.95]
+    sched = SGTGrowthScheduler(8, 4, max_loop_depth=1)
+    trace = run(sched, lambda t: scripted(early if t <= 250 else late), 1200)
+    assert trace == [(250, "select", 6, 1), (500, "select", 1, 1), (750, "fix", None, None)]
+    assert 7 not in sched.selected and 0 not in sched.selected
+    assert sched.history[-1]["reason"] == "no shallower candidate in the top layers"
+
+
+def test_exclusion_and_empty_top_fix():
+    sched = SGTGrowthScheduler(3, 4, growth_start=3, growth_window=2, growth_exclude_layers=[0, 1, 2])
+    assert run(sched, lambda t: scripted([0.5, 0.6, 0.7]), 10) == [(3, "fix", None, None)]
+
+
+@pytest.mark.parametrize("decay, quarter", [("linear", 0.75), ("cosine", 0.5 * (1 + math.cos(math.pi / 4)))])
+def test_gate_decay_values(decay, quarter):
+    assert gate_value(250, 250, 250, decay) == 1.0
+    assert gate_value(375, 250, 250, decay) == pytest.approx(0.5)
+    assert gate_value(312.5, 250, 250, decay) == pytest.approx(quarter)
+    assert gate_value(500, 250, 250, decay) == 0.0 and gate_value(900, 250, 250, decay) == 0.0
+    assert gate_value(400, None, 250, decay) == 1.0  # kept heads
+    sched = SGTGrowthScheduler(8, 4, head_decay=decay)
+    run(sched, lambda t: scripted(SCORES), 375)
+    assert sched.gates(7) == pytest.approx([0.5, 0.5, 1.0, 1.0])
+    assert sched.any_decaying()
+    assert sched.gates(7, 500) == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_ema_and_effective_entropy():
+    sched = SGTGrowthScheduler(2, 2, max_loop_depth=1, entropy_ema=0.5, growth_exclude_layers=[])
+    sched.update_entropy([[[0.4, 0.8], [0.2, 0.2]], [[0.6, 0.6], [float("nan"), None]]])
+    sched.update_entropy([[[0.8, 0.4], [0.2, 0.2]], [[0.6, 0.6], [0.9, 0.9]]])
+    assert sched.ema[0][0] == pytest.approx([0.5 * 0.2 + 0.4, 0.5 * 0.4 + 0.2])  # ê initialised to 0
+    assert sched.ema[1][1] == pytest.approx([0.45, 0.45])  # NaN/None = not measured → unchanged
+    sched.depth[0], sched.kept[0] = 1, [1]  # a looped layer ranks its kept heads by their last loop's entropy
+    assert sched.head_entropy(0) == pytest.approx([0.5, 0.15])
+    assert sched.layer_scores()[0] == pytest.approx(0.325)
+
+
+def test_two_stage_head_schedule():
+    sched = SGTGrowthScheduler(4, 8, heads_per_layer=2, head_keep_schedule=[4, 2], growth_exclude_layers=[0])
+    bias = [0.01 * h for h in range(8)]
+
+    def ent(t):
+        e = scripted([0.1, 0.2, 0.3, 0.8], 8, 1, bias)
+        if t > 250:  # after selection the looped heads' own entropy reorders them: head 4 is now the highest
+            e[3][1] = [0.8, 0.8, 0.8, 0.8, 0.95, 0.7, 0.9, 0.6]
+        return e
+
+    trace = run(sched, ent, 800)
+    assert trace[:3] == [(250, "select", 3, 1), (500, "narrow", 3, None), (750, "select", 2, 1)]
+    assert sched.history[0]["heads"] == [4, 5, 6, 7]
+    assert sched.history[1]["heads"] == [4, 6]
+    g = sched.gates(3, 625)
+    assert g[0] == 0.0 and g[5] == pytest.approx(0.5) and g[7] == pytest.approx(0.5) and g[4] == g[6] == 1.0
+
+
+def test_resume_mid_window_reproduces_the_trace():
+    ent = lambda t: scripted([v + 0.001 * math.sin(t + l) for l, v in enumerate(SCORES)])  # noqa: E731
+    full = SGTGrowthScheduler(8, 4)
+    ref = run(full, ent, 1100)
+    first = SGTGrowthScheduler(8, 4)
+    run(first, ent, 600)  # mid-window (selection at 500, window ends at 750)
+    state = json.loads(json.dumps(first.state_dict()))
+    second = SGTGrowthScheduler(8, 4)
+    second.load_state_dict(state)
+    for t in range(601, 1101):
+        second.update_entropy(ent(t))
+        second.step_end(t)
+    assert [(e["step"], e["event"], e.get("layer")) for e in second.history] == [r[:3] for r in ref]
+    assert second.state_dict() == full.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# callback against a real model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def tiny_model(**growth):
+    torch.manual_seed(0)
+    cfg = SGTConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, growth_start=2, growth_window=4,
+                    **growth)
+    return SGTForCausalLM(cfg)
+
+
+def test_callback_drives_the_model_and_freezes_a_plan(tmp_path, one_thread):
+    model = tiny_model()
+    cb = SGTGrowthCallback(seq_len=16)
+    cb.setup(model)
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for t in range(1, 16):
+        model.train()
+        model(x, labels=x).loss.backward()  # entropy statistics accumulate in the training forward
+        cb.step_end(t, model)
+        seen[t] = (model.model.loop_structure(), [l.head_gate.tolist() for l in model.model.layers])
+    events = [(e["step"], e["event"], e.get("layer")) for e in cb.scheduler.history]
+    assert events == [(2, "select", 3), (6, "select", 2), (10, "select", 1), (14, "fix", None)]
+    # at selection all heads loop (g = 1); mid-window the non-kept heads run with g = 0.5; after the window 2 heads
+    kept3 = cb.scheduler.kept[3]
+    assert seen[2][0] == [{"layer": 3, "heads": [0, 1, 2, 3], "depth": 1}]
+    assert sorted(g for g in seen[4][1][3]) == [0.5, 0.5, 1.0, 1.0]
+    assert seen[6][0][-1] == {"layer": 3, "heads": kept3, "depth": 1}
+    plan = cb.scheduler.plan()
+    assert model.config.loop_plan == plan and [e["layer"] for e in plan] == [1, 2, 3]
+    assert not any(layer.collect_entropy for layer in model.model.layers)  # fixed phase: no statistics
+    assert model.model.loop_structure() == plan
+    metrics = cb.metrics()
+    assert metrics["sgt/phase"] == "fixed" and json.loads(metrics["sgt/selected_layers"]) == [3, 2, 1]
+    # save after growth → AutoModelForCausalLM builds the static sliced graph from the plan alone
+    model.eval()
+    with torch.no_grad():
+        before = model(x).logits
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.model.loop_structure() == plan
+    assert not any(l.loop_gated for l in loaded.model.layers)
+    with torch.no_grad():
+        assert (loaded(x).logits - before).abs().max().item() <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a short Trainer run on the real corpus (examples/train_sgt.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_sgt_example", ROOT / "examples" / "train_sgt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not CORPUS.is_dir() or not TOKENIZER.is_dir(), reason="shared/data not available")
+def test_trainer_run_grows_on_schedule_and_resumes(tmp_path, one_thread):
+    example = _example()
+    common = ["--corpus-dir", str(CORPUS), "--tokenizer", str(TOKENIZER), "--compact-vocab", "--max-chars", "20000",
+              "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32", "--max-steps", "24",
+              "--growth-start", "5", "--growth-window", "5", "--logging-steps", "100"]
+    out_a = tmp_path / "a"
+    trainer, cb = example.main(common + ["--output-dir", str(out_a), "--save-steps", "12"])
+    trace = [(e["step"], e["event"], e.get("layer")) for e in cb.scheduler.history]
+    assert trace == [(5, "select", 3), (10, "select", 2), (15, "select", 1), (20, "fix", None)]
+    # the structure changes are logged at the steps they happen
+    logged = {h["step"]: h for h in trainer.state.log_history if "sgt/phase" in h}
+    assert logged[5]["sgt/selected_layers"] == "[3]" and logged[10]["sgt/selected_layers"] == "[3, 2]"
+    assert {5, 10, 15, 20} <= set(logged)  # a log line at every structure change (logging_steps is 100)
+    assert logged[5]["sgt/phase"] == "selecting" and logged[20]["sgt/phase"] == "fixed"
+    assert "sgt/entropy/layer_0" in logged[20] and json.loads(logged[20]["sgt/loop_depths"]) == {"3": 1, "2": 1,
+                                                                                                 "1": 1}
+    assert 0 < logged[20]["sgt/flops_overhead"] < logged[15]["sgt/flops_overhead"]  # window over: 2 heads, not 4
+    plan = cb.scheduler.plan()
+    saved = json.loads((out_a / "final" / "config.json").read_text())
+    assert saved["loop_plan"] == plan
+    # the final checkpoint reloads as a static graph with the same logits
+    model = trainer.model.eval()
+    x = torch.arange(20)[None]
+    with torch.no_grad():
+        before = model(x).logits
+        after = AutoModelForCausalLM.from_pretrained(out_a / "final").eval()(x).logits
+    assert (after - before).abs().max().item() <= 1e-6
+    # resume from the mid-window checkpoint (step 12: layer 2 selected at 10, its window ends at 15)
+    ckpt = out_a / "checkpoint-12"
+    state = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["SGTGrowthCallback"]
+    assert state["attributes"]["scheduler_state"]["selected"] == [3, 2]
+    trainer_b, cb_b = example.main(common + ["--output-dir", str(tmp_path / "b"), "--resume", str(ckpt)])
+    assert cb_b is not cb
+    assert [(e["step"], e["event"], e.get("layer")) for e in cb_b.scheduler.history] == trace
+    assert [e["layer"] for e in cb_b.scheduler.plan()] == [e["layer"] for e in plan]
+    assert trainer_b.model.config.loop_plan == cb_b.scheduler.plan()
+
+
+_RANK_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+rank, pg = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + pg, rank=rank, world_size=2)
+from hf_loops import SGTConfig, SGTForCausalLM
+from hf_loops.training.sgt_growth import SGTGrowthCallback
+torch.manual_seed(0)
+cfg = SGTConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, growth_start=2, growth_window=4)
+model = SGTForCausalLM(cfg).train()
+cb = SGTGrowthCallback()
+cb.setup(model)
+model(torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(rank)))
+cb.step_end(1, model)
+print("EMA", json.dumps(cb.scheduler.ema))
+dist.destroy_process_group()
+"""
+
+
+def test_two_rank_all_reduce_equals_one_process(tmp_path, one_thread):
+    """Rank r sees micro-batch r; after all_reduce both ranks hold the EMA one process gets from both micro-batches.
+    This process is rank 0 (its imports are warm), a subprocess is rank 1."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, str(script), "1", str(tmp_path / "pg")], env=env, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # one-process reference: both micro-batches in one step, no process group
+        model = tiny_model().train()
+        cb = SGTGrowthCallback()
+        cb.setup(model)
+        for r in (0, 1):
+            model(torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(r)))
+        cb.step_end(1, model)
+        ref = torch.tensor(cb.scheduler.ema)
+        assert ref[:, 0].abs().sum() > 0
+        # rank 0 of a 2-rank gloo group
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            model = tiny_model().train()
+            cb = SGTGrowthCallback()
+            cb.setup(model)
+            model(torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0)))
+            cb.step_end(1, model)
+            rank0 = torch.tensor(cb.scheduler.ema)
+        finally:
+            dist.destroy_process_group()
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, err[-2000:]
+    rank1 = torch.tensor(json.loads(next(ln for ln in out.splitlines() if ln.startswith("EMA"))[4:]))
+    assert torch.allclose(rank0, ref, atol=1e-6) and torch.allclose(rank1, ref, atol=1e-6)
