@@ -1,11 +1,10 @@
 """Shared builders for the TaH2 tests: tiny random Qwen3 models and scripted deciders."""
 
 import torch
+from conftest import tiny_qwen3_config
 from transformers import Qwen3ForCausalLM
 
 from hf_loops.conversion import convert_qwen3
-
-from conftest import tiny_qwen3_config
 
 
 def tiny_qwen3(seed=0, **overrides):

@@ -3,7 +3,6 @@
 import json
 import os
 
-import torch
 from tah2_helpers import tiny_qwen3
 from transformers import AutoModelForCausalLM
 

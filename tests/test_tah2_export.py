@@ -82,7 +82,7 @@ def test_export_loads_with_remote_code_without_hf_loops(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     child = torch.load(tmp_path / "out.pt")
-    assert torch.equal(child["logits"], _logits(model, ids))
+    assert (child["logits"] - _logits(model, ids)).abs().max() <= 1e-6  # thread counts may differ in the child
     with torch.no_grad():
         gen = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(child["gen"], gen)

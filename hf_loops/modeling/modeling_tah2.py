@@ -34,7 +34,13 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
-from .loop_utils import additive_mask, ensure_cache_slots, plain_attention_mask, positions_from_mask, sequence_ids_from_positions
+from .loop_utils import (
+    additive_mask,
+    ensure_cache_slots,
+    plain_attention_mask,
+    positions_from_mask,
+    sequence_ids_from_positions,
+)
 
 VISIBILITY_MODES = ITERATION_ATTENTION_MODES + ("duo_posterior",)
 
