@@ -131,3 +131,57 @@ def test_two_ranks_pool_cutoffs_and_class_balance_like_one_process(tmp_path):
     assert dist["delta_cut"] == pytest.approx(one.delta_cut, abs=0)
     assert dist["beta"] == pytest.approx(one.beta, abs=0)
     assert torch.equal(dist["labels"], torch.stack([c.long() for c in one.continue_labels]))
+
+
+def test_messages_without_generation_markers_train_on_the_final_assistant_turn(data):
+    from datasets import Dataset
+
+    from hf_loops.training.train_tah2 import assistant_only_dataset
+
+    tok = AutoTokenizer.from_pretrained(data["tokenizer"])
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}])
+    out = assistant_only_dataset(ds, tok)
+    assert out.column_names == ["prompt", "completion"]
+    assert out[0]["completion"] == [{"role": "assistant", "content": "4"}]
+    bad = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ValueError, match="assistant turn"):
+        assistant_only_dataset(bad, tok)
+
+
+def test_packed_padding_free_training_runs_and_logs_depth(data, tmp_path):
+    trainer = train_run(_argv(data, tmp_path / "packed", "tah2", "--packing", "true", "--max_steps", "2",
+                              "--logging_steps", "1", "--per_device_train_batch_size", "2"))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert "mean_depth" in logs[0] and "delta_cut@1" in logs[0]
+
+
+def test_push_uploads_the_final_checkpoint_in_one_commit(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from hf_loops.training.train_tah2 import push_folder
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "checkpoint-2").mkdir()
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            calls.append(("create_repo", repo_id, private, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns):
+            calls.append(("upload_folder", repo_id, folder_path, tuple(ignore_patterns)))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    push_folder(str(tmp_path), "me/tah2-tiny", private=True)
+    assert calls[0] == ("create_repo", "me/tah2-tiny", True, True)
+    assert calls[1][0] == "upload_folder" and len(calls) == 2
+    assert "checkpoint-*" in calls[1][3]
+
+    class OfflineApi(FakeApi):
+        def create_repo(self, *a, **k):
+            raise ConnectionError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", OfflineApi)
+    with pytest.raises(ValueError, match="could not push"):
+        push_folder(str(tmp_path), "me/tah2-tiny")
