@@ -348,9 +348,6 @@ class _StreamView:
         v = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
         return self._select(k), self._select(v)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Updater (Eq. 9) and decider (Eq. 10)
@@ -662,6 +659,18 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         if self.decider is not None:
             self.decider.score._tah2_init = "score"
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, allow_pickle: bool = False, **kwargs):
+        """Also loads a local directory in the authors' layout (`tah_config.json` + `iter_decider.bin` +
+        `input_updater.bin` next to a plain Qwen3 checkpoint; spec §8). `allow_pickle=True` lets the two `.bin`
+        files fall back to full pickle when `torch.load(weights_only=True)` refuses them."""
+        from .tah2_official import is_official_tah2_dir, load_official_tah2
+
+        if not model_args and is_official_tah2_dir(pretrained_model_name_or_path):
+            return load_official_tah2(cls.config_class, super().from_pretrained, pretrained_model_name_or_path,
+                                      allow_pickle=allow_pickle, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     # -- the pieces of one iteration ---------------------------------------------------------------------------------
     def _next_input(self, embeds, hidden, logits):
