@@ -247,15 +247,24 @@ class _CallStreams:
         """Register this call's new entries of `stream` (full batch, appended after the past entries).
 
         `cont` (lookahead only) marks entries whose token really executed this depth in the main forward."""
-        new = {"pos": pos, "valid": valid, "index": index, "seq": seq, "cont": cont}
-        self.new_meta[stream] = new
-        past = self.store(stream).stream_metadata(stream)
-        if past is None:
-            self.meta[stream] = new
-        else:
-            merged = {k: torch.cat([past[k], new[k]], dim=1) for k in ("pos", "valid", "index")}
-            merged["seq"] = merged["cont"] = None
-            self.meta[stream] = merged
+        self.new_meta[stream] = {"pos": pos, "valid": valid, "index": index, "seq": seq, "cont": cont}
+        self.meta.pop(stream, None)  # merged with the past lazily: most decode steps never read it
+
+    def merged(self, stream: int) -> dict:
+        """Past + this call's metadata of `stream` (full batch)."""
+        if stream not in self.meta:
+            new = self.new_meta[stream]
+            past = self.store(stream).stream_metadata(stream)
+            if past is None:
+                self.meta[stream] = new
+            else:
+                merged = {k: torch.cat([past[k], new[k]], dim=1) for k in ("pos", "valid", "index")}
+                merged["seq"] = merged["cont"] = None
+                self.meta[stream] = merged
+        return self.meta[stream]
+
+    def has(self, stream: int) -> bool:
+        return stream in self.meta or stream in self.new_meta
 
     def share_streams(self, other: "_CallStreams", streams: list[int]) -> None:
         """Read-only access to `other`'s streams (the lookahead reads the main forward's K/V without copying)."""
@@ -266,13 +275,14 @@ class _CallStreams:
             src = other.store(s)
             for offset in range(self.num_layers + 1):
                 self.scratch.layers[self.scratch.kv_slot(s, 0) + offset] = src.layers[src.kv_slot(s, 0) + offset]
-            self.meta[s] = other.meta[s]
+            self.meta[s] = other.merged(s)
 
     def past_metadata(self, stream: int) -> dict | None:
         return self.store(stream).stream_metadata(stream)
 
     def key_metadata(self, streams: list[int], rows: torch.Tensor | None) -> dict:
-        parts = [self.meta[s] for s in streams if s in self.meta]
+        streams = [s for s in streams if self.has(s)]
+        parts = [self.merged(s) for s in streams]
         out = {
             "pos": torch.cat([p["pos"] for p in parts], 1),
             "valid": torch.cat([p["valid"] for p in parts], 1),
@@ -340,7 +350,7 @@ class _StreamView:
             if s == self.stream:
                 keys.append(k_all)
                 values.append(v_all)
-            elif s in self.streams.meta:
+            elif self.streams.has(s):
                 other = self.streams.store(s).kv_layer(s, layer_idx)
                 keys.append(other.keys)
                 values.append(other.values)
