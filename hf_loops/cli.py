@@ -75,22 +75,46 @@ def cmd_demo(args) -> int:
 def cmd_convert(args) -> int:
     import torch
 
-    from .conversion import convert_qwen3, export
+    from .conversion import (
+        conversion_report,
+        convert_qwen3,
+        export,
+        format_report,
+        load_qwen3_source,
+        load_source_tokenizer,
+        push_folder,
+        resolve_source_dir,
+    )
 
     overrides = _parse_sets(args.set)
+    if args.layer_map is not None:
+        overrides["layer_map"] = _parse_value(args.layer_map)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = convert_qwen3(args.source, args.arch, dtype=dtype, **overrides)
-    tokenizer = None
-    if os.path.isdir(args.source) and any(
-        os.path.isfile(os.path.join(args.source, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.source)
-    export(model, args.out, tokenizer=tokenizer)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"converted {args.source} → {args.arch}: {n:,} parameters, dtype {next(model.parameters()).dtype}")
-    print(f"wrote {args.out}")
+    out = os.fspath(args.out)
+    if os.path.exists(out) and os.listdir(out):
+        raise ValueError(f"--out {out!r} exists and is not empty")
+    source_dir = resolve_source_dir(args.source)  # a Hub id is downloaded once, here
+    tokenizer = load_source_tokenizer(source_dir, args.tokenizer)
+    model = convert_qwen3(source_dir, args.arch, dtype=dtype, tokenizer=tokenizer, calibration=args.calibration,
+                          allow_pickle=args.allow_pickle, **overrides)
+    report = None
+    if not args.no_parity:
+        source = load_qwen3_source(source_dir, dtype=dtype)
+        report = conversion_report(source, model, tokenizer=tokenizer, source_name=args.source)
+        del source
+    export(model, out, tokenizer=tokenizer, source=args.source, report=report, license=args.license,
+           repo_id=args.push_to_hub)
+    if report is not None:
+        print(format_report(report, out))
+    else:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"source: {args.source}\nparameters: new {n:,}\n1-loop parity: not measured (--no-parity)\n"
+              f"dtype: {str(next(model.parameters()).dtype).replace('torch.', '')}\nwrote {out}")
+    if args.arch == "sgt" and getattr(model.config, "loop_plan", None):
+        print(f"loop plan: {json.dumps(model.config.loop_plan)}")
+    if args.push_to_hub:
+        push_folder(out, args.push_to_hub, private=args.private)
+        print(f"pushed {out} to {args.push_to_hub}{' (private)' if args.private else ''} in one commit")
     return 0
 
 
@@ -125,12 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
-    c = sub.add_parser("convert", help="convert a Qwen3 checkpoint and export it with remote code")
-    c.add_argument("source")
-    c.add_argument("--arch", required=True)
+    c = sub.add_parser("convert", help="convert a Qwen3 checkpoint (or an official TaH2 one) and export it with "
+                                       "remote code and a model card")
+    c.add_argument("source", help="local checkpoint directory or Hub repository id")
+    c.add_argument("--arch", required=True, choices=["tah2", "spiralformer", "sgt"])
     c.add_argument("--out", required=True)
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config field override")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config field override (JSON values), e.g. max_iterations=3 or chunk_sizes=[4,2,1]")
+    c.add_argument("--layer-map", default=None, metavar="JSON",
+                   help='spiralformer: source layers per part, e.g. \'{"pre":[0,1],"core":[2,3],"post":[4,5]}\'')
+    c.add_argument("--calibration", default=None, metavar="FILE", help="sgt: text file choosing the loop plan")
+    c.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the source's)")
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--allow-pickle", action="store_true",
+                   help="official TaH2 import: let the .bin files fall back to full pickle (runs code from them)")
+    c.add_argument("--license", default="apache-2.0", help="licence written into the model card")
+    c.add_argument("--no-parity", action="store_true", help="skip the 1-loop parity check (loads the source twice)")
+    c.add_argument("--push-to-hub", default=None, metavar="REPO", help="push the exported directory in one commit")
+    c.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     c.set_defaults(func=cmd_convert)
 
     t = sub.add_parser("train", help="post-train Qwen3 into TaH2 (see `hf-loops train --help`)", add_help=False)

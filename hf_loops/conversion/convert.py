@@ -6,9 +6,11 @@ import json
 import os
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, Qwen3ForCausalLM
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
+from ..modeling.tah2_official import is_official_tah2_dir
+from .hub import resolve_source_dir
 from .registry import get_architecture
 
 # Keys of a saved config that describe the file rather than the architecture.
@@ -37,24 +39,96 @@ def _read_source_config(source_dir: str) -> dict:
     return cfg
 
 
-def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, **config_overrides) -> PreTrainedModel:
+def _load_tokenizer(tokenizer, source_dir: str | None):
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    path = os.fspath(tokenizer) if tokenizer is not None else source_dir
+    if path is None:
+        return None
+    if tokenizer is None and not any(os.path.isfile(os.path.join(path, f))
+                                     for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_source_tokenizer(source, tokenizer=None):
+    """The tokenizer of a conversion: `tokenizer` (object or path) or the source directory's, else None."""
+    source_dir = None
+    if isinstance(source, (str, os.PathLike)):
+        source_dir = resolve_source_dir(source)
+    return _load_tokenizer(tokenizer, source_dir)
+
+
+def load_qwen3_source(source, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A `Qwen3ForCausalLM` from a model, a local directory or a Hub id (an official TaH2 directory gives its plain
+    Qwen3 backbone)."""
+    if isinstance(source, PreTrainedModel):
+        _check_qwen3_model(source)
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(
+            f"convert_qwen3 source must be a Qwen3ForCausalLM, a local directory or a Hub id, got {type(source).__name__}"
+        )
+    source_dir = resolve_source_dir(source)
+    _read_source_config(source_dir)
+    try:
+        return Qwen3ForCausalLM.from_pretrained(source_dir, dtype=dtype or "auto").eval()
+    except (RuntimeError, OSError) as err:
+        raise ValueError(f"could not load the Qwen3 checkpoint {source_dir!r}: {err}") from err
+
+
+def _check_qwen3_model(source) -> None:
+    src_type = getattr(source.config, "model_type", None)
+    if src_type != "qwen3" or not hasattr(source, "lm_head"):
+        raise ValueError(
+            f"convert_qwen3 expects a Qwen3ForCausalLM; got {type(source).__name__} (model_type {src_type!r})"
+        )
+
+
+def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokenizer=None, calibration=None,
+                  layer_map: dict | None = None, core_init: str = "select", allow_pickle: bool = False,
+                  **config_overrides) -> PreTrainedModel:
     """Convert a Qwen3 causal LM into a looped architecture.
 
     Args:
-        source: a `Qwen3ForCausalLM` instance or a local checkpoint directory of one.
-        arch: target architecture (see `hf_loops.conversion.registry.ARCHITECTURES`), e.g. "tah2".
+        source: a `Qwen3ForCausalLM` instance, a local checkpoint directory, or a Hub repository id (downloaded with
+            `huggingface_hub.snapshot_download`; offline / unreachable → `ValueError`). For `arch="tah2"` a
+            directory in the authors' TaH2 layout (`tah_config.json` + `iter_decider.bin` + `input_updater.bin`) is
+            imported with its trained updater and decider.
+        arch: target architecture (see `hf_loops.conversion.registry.ARCHITECTURES`): "tah2", "spiralformer", "sgt".
         dtype: optional dtype of the converted model (default: the source's).
+        tokenizer: tokenizer (or its path) for SGT calibration; default: the source directory's.
+        calibration: SGT only: a text file (or list of strings) whose attention entropies choose the loop plan.
+        layer_map, core_init: SpiralFormer only: which source layers become pre / core / post (see
+            `hf_loops.conversion.spiralformer`); or give `num_pre_layers`/`num_loop_layers`/`num_post_layers`.
+        allow_pickle: official TaH2 import only: let the `.bin` components fall back to full pickle.
         **config_overrides: fields of the target config, e.g. `max_iterations=3, exit_threshold=0.6`.
 
     Returns the converted model: Qwen3 weights under their own names, new modules freshly initialised.
     """
     config_cls, model_cls = get_architecture(arch)
-    if isinstance(source, PreTrainedModel):
-        src_type = getattr(source.config, "model_type", None)
-        if src_type != "qwen3" or not hasattr(source, "lm_head"):
-            raise ValueError(
-                f"convert_qwen3 expects a Qwen3ForCausalLM; got {type(source).__name__} (model_type {src_type!r})"
-            )
+    if arch != "spiralformer" and (layer_map is not None or core_init != "select"):
+        raise ValueError("layer_map and core_init apply to arch 'spiralformer' only")
+    if arch != "sgt" and calibration is not None:
+        raise ValueError("calibration applies to arch 'sgt' only")
+    source_dir = None
+    if isinstance(source, (str, os.PathLike)):
+        source_dir = resolve_source_dir(source)
+        if arch == "tah2" and is_official_tah2_dir(source_dir):
+            from .tah2_official import import_tah2
+
+            model = import_tah2(source_dir, allow_pickle=allow_pickle, **config_overrides)
+            return model.to(dtype) if dtype is not None else model
+
+    if arch == "spiralformer":
+        from .spiralformer import convert_spiralformer
+
+        qwen = load_qwen3_source(source_dir if source_dir is not None else source, dtype=dtype)
+        model = convert_spiralformer(qwen, layer_map=layer_map, core_init=core_init, **config_overrides)
+    elif isinstance(source, PreTrainedModel):
+        _check_qwen3_model(source)
         config = config_cls(**qwen3_config_fields(source.config), **config_overrides)
         src_dtype = next(source.parameters()).dtype
         model = model_cls(config).to(src_dtype)
@@ -64,24 +138,26 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, **config_
         _check_key_report(arch, model, missing, unexpected)
         if config.tie_word_embeddings:
             model.tie_weights()
-    elif isinstance(source, (str, os.PathLike)):
-        source = os.fspath(source)
-        if not os.path.isdir(source):
-            raise ValueError(
-                f"convert_qwen3 source {source!r} is not a local directory (give a Qwen3ForCausalLM or a local "
-                "checkpoint directory)"
-            )
-        cfg = _read_source_config(source)
+    elif source_dir is not None:
+        cfg = _read_source_config(source_dir)
         config = config_cls(**qwen3_config_fields(cfg), **config_overrides)
-        model, info = model_cls.from_pretrained(source, config=config, output_loading_info=True, dtype=dtype or "auto")
+        try:
+            model, info = model_cls.from_pretrained(source_dir, config=config, output_loading_info=True,
+                                                    dtype=dtype or "auto")
+        except (RuntimeError, OSError) as err:  # shape mismatches (RuntimeError), missing weight files (OSError)
+            raise ValueError(f"source checkpoint {source_dir!r} does not match its config.json: {err}") from err
         _check_key_report(arch, model, info["missing_keys"], info["unexpected_keys"], info.get("mismatched_keys"))
     else:
         raise ValueError(
-            f"convert_qwen3 source must be a Qwen3ForCausalLM or a local directory, got {type(source).__name__}"
+            f"convert_qwen3 source must be a Qwen3ForCausalLM, a local directory or a Hub id, got {type(source).__name__}"
         )
     if dtype is not None:
         model = model.to(dtype)
-    return model
+    if calibration is not None:
+        from .sgt import calibrate_sgt
+
+        calibrate_sgt(model, calibration, _load_tokenizer(tokenizer, source_dir))
+    return model.eval()
 
 
 def _check_key_report(arch, model, missing, unexpected, mismatched=None) -> None:

@@ -4,11 +4,12 @@ copied flat, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=Tru
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import tempfile
 
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 
 def _auto_map_entry(cls: type) -> str:
@@ -41,8 +42,14 @@ def remote_code_saving(model: PreTrainedModel):
             del model.config.__dict__["auto_map"]
 
 
-def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, safe_serialization: bool = True) -> str:
-    """Write `model` (and `tokenizer`) to `out_dir` with remote code.
+def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, safe_serialization: bool = True, *,
+           source: str | None = None, report: dict | None = None, license: str = "apache-2.0",
+           repo_id: str | None = None, model_card: bool = True) -> str:
+    """Write `model` (and `tokenizer`) to `out_dir` with remote code, a generation config and a model card.
+
+    Files: weights, `config.json` with `auto_map`, the modeling files (flat), `generation_config.json`, the tokenizer
+    files when a tokenizer is given, and `README.md` (architecture, `source`, config summary, parameter counts, the
+    parity of `report` — see `conversion_report` —, usage, `license`, citation) unless `model_card=False`.
 
     The directory is written to a temporary sibling first and moved into place at the end, so a failure leaves
     nothing half-written.
@@ -54,10 +61,22 @@ def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, s
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
     try:
-        with remote_code_saving(model):
-            model.save_pretrained(tmp, safe_serialization=safe_serialization)
+        saved_generation_config = getattr(model, "generation_config", None)
+        try:
+            model.generation_config = _export_generation_config(model, tokenizer)
+            with remote_code_saving(model):
+                model.save_pretrained(tmp, safe_serialization=safe_serialization)
+        finally:
+            model.generation_config = saved_generation_config
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if model_card:
+            from .model_card import render_model_card
+
+            card = render_model_card(model, source=source, report=report, license=license, repo_id=repo_id,
+                                     title=None if repo_id else os.path.basename(os.path.abspath(out_dir)))
+            with open(os.path.join(tmp, "README.md"), "w") as f:
+                f.write(card)
         if os.path.exists(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)
@@ -65,3 +84,18 @@ def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, s
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _export_generation_config(model: PreTrainedModel, tokenizer=None) -> GenerationConfig:
+    """A copy of the model's generation config whose missing eos/pad/bos ids come from the model config, then the
+    tokenizer (the model itself is left untouched)."""
+    gen = getattr(model, "generation_config", None)
+    gen = copy.deepcopy(gen) if gen is not None else GenerationConfig.from_model_config(model.config)
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(gen, name, None) is None:
+            value = getattr(model.config, name, None)
+            if value is None and tokenizer is not None:
+                value = getattr(tokenizer, name, None)
+            if value is not None:
+                setattr(gen, name, value)
+    return gen

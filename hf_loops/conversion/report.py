@@ -1,0 +1,127 @@
+"""What a conversion changed: parameter counts and the 1-loop parity with the source.
+
+"1-loop parity" = the converted model with its loop switched off gives the source's logits:
+- TaH2: `max_iterations=1` in the forward call (Standard, spec §5);
+- SpiralFormer: the same weights with `chunk_sizes=[1]` (one core pass), `core_output="delta"` and identity MeSH
+  routers — defined only when every source layer is kept in order (otherwise the model is a different depth);
+- SGT: every loop depth temporarily set to 0 (an empty plan).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PARITY_PROMPTS = (
+    "Looped transformers think harder on hard tokens.",
+    "The capital of France is",
+    "def fibonacci(n):",
+)
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def parity_inputs(vocab_size: int, tokenizer=None, prompts=PARITY_PROMPTS, seq_len: int = 12) -> list[torch.Tensor]:
+    if tokenizer is not None:
+        out = []
+        for text in prompts:
+            ids = [i for i in tokenizer(text, add_special_tokens=False)["input_ids"] if i < vocab_size]
+            if ids:
+                out.append(torch.tensor([ids]))
+        if out:
+            return out
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (1, seq_len + 3 * k), generator=g) for k in range(len(prompts))]
+
+
+@torch.no_grad()
+def _one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
+    """Logits of `model` with the loop switched off, or (None, reason)."""
+    arch = model.config.model_type
+    if arch == "tah2":
+        return model(ids, max_iterations=1, use_cache=False).logits, None
+    if arch == "sgt":
+        layers = model.model.layers
+        saved = [(layer.loop_depth, list(layer._gate_list)) for layer in layers]
+        try:
+            for layer in layers:
+                if layer.loop_depth:
+                    layer.set_loop(layer.loop_heads, 0, layer._gate_list)
+            block = model.config.block_loop_layers
+            model.config.block_loop_layers = []
+            try:
+                return model(ids, use_cache=False).logits, None
+            finally:
+                model.config.block_loop_layers = block
+        finally:
+            for layer, (depth, gates) in zip(layers, saved):
+                if depth:
+                    layer.set_loop([h for h, g in enumerate(gates) if g > 0], depth, gates)
+    if arch == "spiralformer":
+        layer_map = getattr(model.config, "conversion_layer_map", None)
+        if layer_map is not None:
+            core = [g[0] if len(g) == 1 else None for g in layer_map["core"]]
+            flat = list(layer_map["pre"]) + core + list(layer_map["post"])
+        else:
+            flat = list(range(model.config.num_hidden_layers))
+        if flat != list(range(source_num_layers)):
+            return None, "layers were dropped, averaged or reordered: the model has no source-equivalent pass"
+        from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
+
+        cfg = model.config.to_dict()
+        for key in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype"):
+            cfg.pop(key, None)
+        cfg.update(chunk_sizes=[1], core_output="delta", router_init="identity", mesh_slots=None)
+        one = type(model.config)(**cfg)
+        single = SpiralFormerForCausalLM(one).to(next(model.parameters()).dtype).eval()
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.routers.")}
+        single.load_state_dict(state, strict=False)
+        if one.tie_word_embeddings:
+            single.tie_weights()
+        return single(ids, use_cache=False).logits, None
+    return None, f"no 1-loop form known for model_type {arch!r}"
+
+
+@torch.no_grad()
+def conversion_report(source, model, tokenizer=None, source_name: str | None = None) -> dict:
+    """Parameter counts (source, new, added) and the 1-loop parity max-abs-diff on a few prompts."""
+    src_params, params = count_parameters(source), count_parameters(model)
+    report = {"source": source_name, "source_params": src_params, "params": params,
+              "added_params": params - src_params, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+    device = next(model.parameters()).device
+    inputs = parity_inputs(model.config.vocab_size, tokenizer)
+    diffs, note = [], None
+    was_training = model.training
+    model.eval()
+    try:
+        for ids in inputs:
+            ids = ids.to(device)
+            ours, note = _one_loop_logits(model, ids, source.config.num_hidden_layers)
+            if ours is None:
+                break
+            ref = source(ids, use_cache=False).logits
+            diffs.append(float((ours.float() - ref.float()).abs().max()))
+    finally:
+        model.train(was_training)
+    report["parity_prompts"] = len(inputs)
+    report["parity_max_abs_diff"] = max(diffs) if diffs and note is None else None
+    report["parity_note"] = note
+    report["parity_setting"] = {"tah2": "max_iterations=1", "sgt": "loop depths 0",
+                                "spiralformer": "chunk_sizes=[1], one core pass"}.get(model.config.model_type)
+    return report
+
+
+def format_report(report: dict, out_dir: str | None = None) -> str:
+    lines = [f"source: {report.get('source')}",
+             f"parameters: source {report['source_params']:,} | new {report['params']:,} | "
+             f"added {report['added_params']:+,}"]
+    if report.get("parity_max_abs_diff") is not None:
+        lines.append(f"1-loop parity ({report.get('parity_setting')}): max-abs-diff "
+                     f"{report['parity_max_abs_diff']:.3e} over {report['parity_prompts']} prompts")
+    else:
+        lines.append(f"1-loop parity: n/a ({report.get('parity_note')})")
+    lines.append(f"dtype: {report['dtype']}")
+    if out_dir:
+        lines.append(f"wrote {out_dir}")
+    return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""Loading a TaH2 checkpoint released in the authors' layout (spec: shared/specs/tah2.md §8).
+
+The official layout is a plain Qwen3 checkpoint (`config.json` with model_type "qwen3" + weights) plus
+`tah_config.json` (the loop settings) and two `torch.save` dicts, `iter_decider.bin` and `input_updater.bin`, each
+`{"class": <name>, "init_args": {...}, "state_dict": {...}}`. Our updater/decider use the official submodule names,
+so the import is a prefix rename; the decider's `threshold` buffer becomes `config.exit_threshold`.
+
+`TaH2ForCausalLM.from_pretrained(dir)` calls `load_official_tah2` when `dir/tah_config.json` exists. This file ships
+as Hub remote code next to modeling_tah2.py: it imports only the standard library, torch and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+TAH_CONFIG_FILE = "tah_config.json"
+DECIDER_FILE = "iter_decider.bin"
+UPDATER_FILE = "input_updater.bin"
+
+# official class name → our config value
+DECIDER_CLASSES = {"Qwen3MLPIterDecider": "learned", "AlwaysIterDecider": "always", "TrivialIterDecider": "never"}
+UPDATER_CLASSES = {"Qwen3MLPUpdater": "learned", "IdentityUpdater": "identity"}
+MIXTURES = {"stop_prob_mix": "stop_prob", "even_mix": "even"}
+ITERATION_ATTENTION = ("duo", "causal", "same_iter")
+
+# init_args keys we understand (sizes are read from the tensor shapes; only the norm switches change semantics)
+KNOWN_INIT_ARGS = {
+    "hidden_size", "intermediate_size", "topk", "k", "top_k", "threshold", "enable_norm_pre_mlp", "enable_norm_out",
+    "rms_norm_eps", "eps", "dtype", "torch_dtype", "uniform_init", "vocab_size", "config",
+}
+
+# The Qwen3 fields of a config.json that describe the file, not the architecture.
+_NON_ARCH_KEYS = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype",
+                  "torch_dtype")
+
+
+def is_official_tah2_dir(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(path), TAH_CONFIG_FILE))
+
+
+def _class_name(obj) -> str:
+    if isinstance(obj, str):
+        return obj.rsplit(".", 1)[-1]
+    if isinstance(obj, dict) and "__type__" in obj:  # tah_config.json's serialisation of a class
+        return str(obj["__type__"]).rsplit(".", 1)[-1]
+    if isinstance(obj, type):
+        return obj.__name__
+    raise ValueError(f"official TaH2 component: cannot read the class name from {obj!r}")
+
+
+def load_component(path: str, allow_pickle: bool = False) -> dict:
+    """Read an official `.bin` component dict. `weights_only=True` first; pickle only with `allow_pickle=True`."""
+    if not os.path.isfile(path):
+        raise ValueError(f"official TaH2 checkpoint: {os.path.basename(path)} is missing in {os.path.dirname(path)!r}")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError and others
+        if not allow_pickle:
+            raise ValueError(
+                f"{path!r} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}: {err}); "
+                "pass allow_pickle=True to load it with full pickle, which executes code from the file — only for "
+                "files you trust"
+            ) from err
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(blob, dict) or not {"class", "state_dict"} <= set(blob):
+        raise ValueError(f"{path!r} is not an official TaH2 component (expected a dict with 'class', 'init_args', "
+                         f"'state_dict'), got {type(blob).__name__}")
+    return blob
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"official TaH2 checkpoint: {os.path.basename(path)} is missing in {os.path.dirname(path)!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _flag(init_args: dict, key: str, state: dict, state_key: str) -> bool:
+    if key in init_args:
+        return bool(init_args[key])
+    return state_key in state
+
+
+def _warn_unknown(kind: str, init_args: dict) -> None:
+    unknown = sorted(set(init_args) - KNOWN_INIT_ARGS)
+    if unknown:
+        logger.warning(f"official TaH2 {kind}: ignoring unrecognised init_args {unknown}")
+
+
+def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict, dict, dict]:
+    """(config kwargs for TaH2Config, decider state dict, updater state dict) of an official TaH2 directory."""
+    path = os.fspath(path)
+    qwen = _read_json(os.path.join(path, "config.json"))
+    if qwen.get("model_type") != "qwen3":
+        raise ValueError(
+            f"official TaH2 checkpoint {path!r}: config.json must describe a plain Qwen3 model (model_type 'qwen3'), "
+            f"found model_type {qwen.get('model_type')!r}"
+        )
+    tah = _read_json(os.path.join(path, TAH_CONFIG_FILE))
+    kw = {k: v for k, v in qwen.items() if k not in _NON_ARCH_KEYS}
+    d = kw["hidden_size"]
+
+    max_iter = tah.get("max_iter", 2)
+    mode = tah.get("iter_attention_mode", "causal")
+    if mode not in ITERATION_ATTENTION:
+        raise ValueError(f"tah_config.json: iter_attention_mode must be one of {list(ITERATION_ATTENTION)}, got {mode!r}")
+    method = tah.get("weighted_hidden_method", "stop_prob_mix")
+    if method not in MIXTURES:
+        raise ValueError(f"tah_config.json: weighted_hidden_method must be one of {list(MIXTURES)}, got {method!r}")
+    kw.update(max_iterations=int(max_iter), iteration_attention=mode, mixture=MIXTURES[method])
+
+    # decider
+    dec_file = os.path.join(path, DECIDER_FILE)
+    if os.path.isfile(dec_file) or _class_name(tah.get("iter_decider", "Qwen3MLPIterDecider")) not in (
+        "AlwaysIterDecider", "TrivialIterDecider"
+    ):
+        dec = load_component(dec_file, allow_pickle)
+    else:
+        dec = {"class": tah["iter_decider"], "init_args": tah.get("iter_decider_kwargs") or {}, "state_dict": {}}
+    dec_cls = _class_name(dec["class"])
+    if dec_cls not in DECIDER_CLASSES:
+        raise ValueError(f"iter_decider: unknown component class {dec_cls!r}; known: {sorted(DECIDER_CLASSES)}")
+    dec_args, dec_state = dict(dec.get("init_args") or {}), dict(dec["state_dict"])
+    _warn_unknown("iter_decider", dec_args)
+    kw["decider"] = DECIDER_CLASSES[dec_cls]
+    threshold = dec_state.pop("threshold", None)
+    if threshold is not None:
+        kw["exit_threshold"] = float(torch.as_tensor(threshold).float().reshape(-1)[0])
+    elif "threshold" in dec_args:
+        kw["exit_threshold"] = float(dec_args["threshold"])
+    if kw["decider"] == "learned":
+        proj = dec_state.get("input_proj.weight")
+        gate = dec_state.get("mlp.gate_proj.weight")
+        if proj is None or gate is None:
+            raise ValueError(f"{DECIDER_FILE}: state_dict lacks input_proj.weight / mlp.gate_proj.weight")
+        if proj.shape[0] != d or proj.shape[1] <= 2 * d:
+            raise ValueError(
+                f"{DECIDER_FILE}: input_proj.weight has shape {tuple(proj.shape)}, expected ({d}, 2·{d} + k) for "
+                f"hidden_size {d}"
+            )
+        kw["decider_topk"] = int(proj.shape[1] - 2 * d)
+        kw["decider_intermediate_size"] = int(gate.shape[0])
+    elif dec_state:
+        raise ValueError(f"{DECIDER_FILE}: a {dec_cls} has no weights, found {sorted(dec_state)[:5]}")
+
+    # updater
+    upd_file = os.path.join(path, UPDATER_FILE)
+    if os.path.isfile(upd_file) or _class_name(tah.get("input_updater", "Qwen3MLPUpdater")) != "IdentityUpdater":
+        upd = load_component(upd_file, allow_pickle)
+    else:
+        upd = {"class": tah["input_updater"], "init_args": tah.get("input_updater_kwargs") or {}, "state_dict": {}}
+    upd_cls = _class_name(upd["class"])
+    if upd_cls not in UPDATER_CLASSES:
+        raise ValueError(f"input_updater: unknown component class {upd_cls!r}; known: {sorted(UPDATER_CLASSES)}")
+    upd_args, upd_state = dict(upd.get("init_args") or {}), dict(upd["state_dict"])
+    _warn_unknown("input_updater", upd_args)
+    kw["updater"] = UPDATER_CLASSES[upd_cls]
+    if kw["updater"] == "learned":
+        proj = upd_state.get("projection.weight")
+        gate = upd_state.get("mlp.gate_proj.weight")
+        if proj is None or gate is None:
+            raise ValueError(f"{UPDATER_FILE}: state_dict lacks projection.weight / mlp.gate_proj.weight")
+        if tuple(proj.shape) != (d, 2 * d):
+            raise ValueError(
+                f"{UPDATER_FILE}: projection.weight has shape {tuple(proj.shape)}, expected ({d}, {2 * d}) for "
+                f"hidden_size {d}"
+            )
+        kw["updater_intermediate_size"] = int(gate.shape[0])
+        kw["updater_norm_pre_mlp"] = _flag(upd_args, "enable_norm_pre_mlp", upd_state, "norm_pre_mlp.weight")
+        kw["updater_norm_out"] = _flag(upd_args, "enable_norm_out", upd_state, "norm_out.weight")
+    elif upd_state:
+        raise ValueError(f"{UPDATER_FILE}: a {upd_cls} has no weights, found {sorted(upd_state)[:5]}")
+    return kw, dec_state, upd_state
+
+
+def _load_part(module, state: dict, name: str) -> None:
+    target = module.state_dict()
+    missing = sorted(set(target) - set(state))
+    unexpected = sorted(set(state) - set(target))
+    mismatched = [f"{k}: {tuple(state[k].shape)} vs {tuple(target[k].shape)}"
+                  for k in sorted(set(state) & set(target)) if tuple(state[k].shape) != tuple(target[k].shape)]
+    if missing or unexpected or mismatched:
+        raise ValueError(f"{name}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, "
+                         f"mismatched shapes {mismatched[:5]}")
+    with torch.no_grad():
+        for k, v in state.items():
+            target[k].copy_(v.to(target[k].dtype))
+
+
+def load_official_tah2(config_cls, backbone_loader, path, allow_pickle: bool = False, **kwargs):
+    """Build a `TaH2ForCausalLM` from an official directory.
+
+    `backbone_loader(path, config=..., output_loading_info=True, **kwargs)` loads the Qwen3 weights key-preserving
+    (it is `PreTrainedModel.from_pretrained` of the TaH2 class). Keyword arguments that name config fields override
+    the values read from the checkpoint (e.g. `max_iterations=4`); the rest go to the backbone loader.
+    """
+    path = os.fspath(path)
+    cfg_kw, dec_state, upd_state = official_tah2_config_kwargs(path, allow_pickle=allow_pickle)
+    want_info = kwargs.pop("output_loading_info", False)
+    kwargs.pop("config", None)
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in config_cls.__annotations__}
+    cfg_kw.update(overrides)
+    config = config_cls(**cfg_kw)
+    try:
+        model, info = backbone_loader(path, config=config, output_loading_info=True, **kwargs)
+    except (OSError, RuntimeError) as err:  # missing weight files (OSError), shape mismatches (RuntimeError)
+        raise ValueError(f"official TaH2 checkpoint {path!r}: could not load the Qwen3 weights: {err}") from err
+    bad_missing = [k for k in info["missing_keys"] if not k.startswith(("updater.", "decider."))]
+    if info["unexpected_keys"] or bad_missing or info.get("mismatched_keys"):
+        raise ValueError(
+            f"official TaH2 checkpoint {path!r}: the Qwen3 weights do not match the config: unexpected keys "
+            f"{list(info['unexpected_keys'])[:5]}, missing keys {bad_missing[:5]}, mismatched shapes "
+            f"{list(info.get('mismatched_keys') or [])[:5]}"
+        )
+    if model.decider is not None:
+        _load_part(model.decider, dec_state, DECIDER_FILE)
+    if model.updater is not None:
+        _load_part(model.updater, upd_state, UPDATER_FILE)
+    model.eval()
+    if want_info:
+        info = dict(info, missing_keys=bad_missing)
+        return model, info
+    return model
