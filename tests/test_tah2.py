@@ -519,3 +519,15 @@ def test_base_model_is_one_qwen3_pass():
 
 def test_qwen3_reference_is_untouched_by_import():
     assert Qwen3ForCausalLM.__module__.startswith("transformers.")
+
+
+def test_bf16_conversion_keeps_rope_in_fp32_and_matches_qwen3_bf16(tmp_path):
+    q = tiny_qwen3()
+    q.save_pretrained(tmp_path / "q")
+    ref = Qwen3ForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+    model = convert_qwen3(str(tmp_path / "q"), "tah2", dtype=torch.bfloat16, max_iterations=1)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(21))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)

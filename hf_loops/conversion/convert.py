@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import torch
 from transformers import PreTrainedModel, Qwen3ForCausalLM
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.utils import logging as hf_logging
 
 from ..modeling.tah2_official import is_official_tah2_dir
 from .hub import resolve_source_dir
@@ -87,6 +89,34 @@ def _check_qwen3_model(source) -> None:
         )
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def cast_model(model, dtype: torch.dtype):
+    """`model.to(dtype)`, but the rotary inverse frequencies stay fp32 (recomputed), as `from_pretrained(dtype=...)`
+    leaves them for Qwen3: bf16 frequencies would shift every RoPE angle and break parity with the source."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = model.to(dtype)
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq") and hasattr(module, "rope_type"):
+            if module.rope_type == "default":
+                init_fn = module.compute_default_rope_parameters
+            else:
+                init_fn = ROPE_INIT_FUNCTIONS[module.rope_type]
+            inv_freq, _ = init_fn(module.config, device=module.inv_freq.device)
+            module.inv_freq = inv_freq.float()
+            module.original_inv_freq = inv_freq.float().clone()
+    return model
+
+
 def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokenizer=None, calibration=None,
                   layer_map: dict | None = None, core_init: str = "select", allow_pickle: bool = False,
                   **config_overrides) -> PreTrainedModel:
@@ -120,7 +150,7 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
             from .tah2_official import import_tah2
 
             model = import_tah2(source_dir, allow_pickle=allow_pickle, **config_overrides)
-            return model.to(dtype) if dtype is not None else model
+            return cast_model(model, dtype) if dtype is not None else model
 
     if arch == "spiralformer":
         from .spiralformer import convert_spiralformer
@@ -131,7 +161,7 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
         _check_qwen3_model(source)
         config = config_cls(**qwen3_config_fields(source.config), **config_overrides)
         src_dtype = next(source.parameters()).dtype
-        model = model_cls(config).to(src_dtype)
+        model = cast_model(model_cls(config), src_dtype)
         state = source.state_dict()
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
@@ -142,8 +172,9 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
         cfg = _read_source_config(source_dir)
         config = config_cls(**qwen3_config_fields(cfg), **config_overrides)
         try:
-            model, info = model_cls.from_pretrained(source_dir, config=config, output_loading_info=True,
-                                                    dtype=dtype or "auto")
+            with _quiet_loading():  # the new modules are expected to be missing; the key report is checked below
+                model, info = model_cls.from_pretrained(source_dir, config=config, output_loading_info=True,
+                                                        dtype=dtype or "auto")
         except (RuntimeError, OSError) as err:  # shape mismatches (RuntimeError), missing weight files (OSError)
             raise ValueError(f"source checkpoint {source_dir!r} does not match its config.json: {err}") from err
         _check_key_report(arch, model, info["missing_keys"], info["unexpected_keys"], info.get("mismatched_keys"))
@@ -152,7 +183,7 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
             f"convert_qwen3 source must be a Qwen3ForCausalLM, a local directory or a Hub id, got {type(source).__name__}"
         )
     if dtype is not None:
-        model = model.to(dtype)
+        model = cast_model(model, dtype)
     if calibration is not None:
         from .sgt import calibrate_sgt
 

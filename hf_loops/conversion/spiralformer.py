@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from ..modeling.configuration_spiralformer import SpiralFormerConfig
 from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
+from .convert import cast_model
 
 RETROFIT_DEFAULTS = {"core_output": "delta", "router_init": "identity", "depth_scaled_init": False}
 NEW_MODULE_PREFIXES = ("model.scorers.", "model.allocators.", "model.routers.")
@@ -144,7 +145,7 @@ def convert_spiralformer(source: PreTrainedModel, layer_map: dict | None = None,
                 state[f"model.layers.{t}.{name}"] = torch.stack([x.float() for x in tensors]).mean(0).to(tensors[0].dtype)
 
     dtype = next(source.parameters()).dtype
-    model = SpiralFormerForCausalLM(config).to(dtype)
+    model = cast_model(SpiralFormerForCausalLM(config), dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     bad_missing = [k for k in missing if not k.startswith(NEW_MODULE_PREFIXES)
                    and not (config.tie_word_embeddings and k == "lm_head.weight")]
