@@ -157,23 +157,25 @@ def test_packed_padding_free_training_runs_and_logs_depth(data, tmp_path):
 
 
 def test_push_uploads_the_final_checkpoint_in_one_commit(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    from hf_loops.training.train_tah2 import push_folder
+    import hf_loops.conversion.hub as hub
+    from hf_loops.training.train_tah2 import push_checkpoint
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "checkpoint-2").mkdir()
     calls = []
 
     class FakeApi:
-        def create_repo(self, repo_id, private=False, exist_ok=False):
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=False, exist_ok=False, repo_type=None):
             calls.append(("create_repo", repo_id, private, exist_ok))
 
-        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns):
-            calls.append(("upload_folder", repo_id, folder_path, tuple(ignore_patterns)))
+        def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns=None, **kw):
+            calls.append(("upload_folder", repo_id, folder_path, tuple(ignore_patterns or ())))
 
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    push_folder(str(tmp_path), "me/tah2-tiny", private=True)
+    monkeypatch.setattr(hub, "HfApi", FakeApi)
+    push_checkpoint(str(tmp_path), "me/tah2-tiny", private=True)
     assert calls[0] == ("create_repo", "me/tah2-tiny", True, True)
     assert calls[1][0] == "upload_folder" and len(calls) == 2
     assert "checkpoint-*" in calls[1][3]
@@ -182,6 +184,6 @@ def test_push_uploads_the_final_checkpoint_in_one_commit(tmp_path, monkeypatch):
         def create_repo(self, *a, **k):
             raise ConnectionError("offline")
 
-    monkeypatch.setattr(huggingface_hub, "HfApi", OfflineApi)
+    monkeypatch.setattr(hub, "HfApi", OfflineApi)
     with pytest.raises(ValueError, match="could not push"):
-        push_folder(str(tmp_path), "me/tah2-tiny")
+        push_checkpoint(str(tmp_path), "me/tah2-tiny")

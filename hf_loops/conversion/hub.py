@@ -46,8 +46,9 @@ def resolve_source_dir(source: str | os.PathLike, revision: str | None = None) -
 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, token: str | None = None,
-                commit_message: str | None = None, revision: str | None = None):
-    """Upload every file of `folder` to `repo_id` in ONE commit (the repository is created if needed)."""
+                commit_message: str | None = None, revision: str | None = None, ignore_patterns=None):
+    """Upload the files of `folder` (minus `ignore_patterns`) to `repo_id` in ONE commit (the repository is created
+    if needed)."""
     api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
     return api.upload_folder(
@@ -56,6 +57,7 @@ def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, 
         repo_type="model",
         revision=revision,
         commit_message=commit_message or "Upload converted looped model (hf_loops)",
+        ignore_patterns=ignore_patterns,
     )
 
 

@@ -224,20 +224,18 @@ def run(argv: list[str] | None = None):
         final.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     if args.push_to_hub:
-        push_folder(args.output_dir, args.push_to_hub, private=args.private)
+        push_checkpoint(args.output_dir, args.push_to_hub, private=args.private)
     return trainer
 
 
-def push_folder(folder: str, repo_id: str, private: bool = False) -> None:
+def push_checkpoint(folder: str, repo_id: str, private: bool = False) -> None:
     """Upload the final checkpoint (not the intermediate Trainer checkpoints) in one commit."""
-    from huggingface_hub import HfApi
+    from ..conversion.hub import push_folder
 
-    api = HfApi()
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="Upload TaH2 model (hf_loops)",
-                          ignore_patterns=["checkpoint-*", "checkpoint-*/**", "runs/**", "*.bin.tmp"])
-    except Exception as err:
+        push_folder(folder, repo_id, private=private, commit_message="Upload TaH2 model (hf_loops)",
+                    ignore_patterns=["checkpoint-*", "checkpoint-*/**", "runs/**"])
+    except Exception as err:  # network/auth/offline errors of huggingface_hub have many types
         raise ValueError(f"could not push {folder!r} to the Hub repo {repo_id!r}: {type(err).__name__}: {err}") from err
 
 
