@@ -12,6 +12,25 @@ import tempfile
 from transformers import GenerationConfig, PreTrainedModel
 
 
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str, what: str = "export"):
+    """Yield a temporary sibling of `out_dir` to write into; on success it is moved into place, on any failure it is
+    removed, so `out_dir` is never left half-written. `out_dir` must not exist or be empty."""
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"{what} out_dir {out_dir!r} exists and is not empty")
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(out_dir):
+            os.rmdir(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _auto_map_entry(cls: type) -> str:
     return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
 
@@ -55,12 +74,7 @@ def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, s
     nothing half-written.
     """
     out_dir = os.fspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"export out_dir {out_dir!r} exists and is not empty")
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
-    try:
+    with atomic_output_dir(out_dir, "export") as tmp:
         saved_generation_config = getattr(model, "generation_config", None)
         try:
             model.generation_config = _export_generation_config(model, tokenizer)
@@ -77,12 +91,6 @@ def export(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, s
                                      title=None if repo_id else os.path.basename(os.path.abspath(out_dir)))
             with open(os.path.join(tmp, "README.md"), "w") as f:
                 f.write(card)
-        if os.path.exists(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -28,6 +26,7 @@ from ..modeling.tah2_official import (
     load_official_tah2,
 )
 from .convert import qwen3_config_fields
+from .export import atomic_output_dir
 from .hub import resolve_source_dir
 
 __all__ = ["export_tah2", "import_tah2", "is_official_tah2_dir", "load_official_tah2"]
@@ -71,12 +70,7 @@ def export_tah2(model: TaH2ForCausalLM, out_dir: str | os.PathLike, tokenizer=No
         raise ValueError(f"export_tah2: mixture {cfg.mixture!r} has no official equivalent "
                          f"(official: {sorted(_MIXTURE_NAMES)})")
     out_dir = os.fspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"export_tah2 out_dir {out_dir!r} exists and is not empty")
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
-    try:
+    with atomic_output_dir(out_dir, "export_tah2") as tmp:
         # 1) the plain Qwen3 backbone: the same tensors under a Qwen3ForCausalLM (built on meta, no copy)
         fields = {k: v for k, v in qwen3_config_fields(cfg).items() if k not in _tah2_only_fields(cfg)}
         qcfg = Qwen3Config(**fields)
@@ -125,10 +119,4 @@ def export_tah2(model: TaH2ForCausalLM, out_dir: str | os.PathLike, tokenizer=No
                         "enable_norm_pre_mlp": cfg.updater_norm_pre_mlp, "enable_norm_out": cfg.updater_norm_out}
         torch.save({"class": updater_cls, "init_args": upd_args, "state_dict": upd_state},
                    os.path.join(tmp, UPDATER_FILE))
-        if os.path.exists(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
