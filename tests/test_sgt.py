@@ -30,14 +30,6 @@ from hf_loops.modeling.modeling_sgt import attention_row_entropy
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP contention on a busy 2-core machine (restored afterwards)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
 MHA = dict(BASE, num_key_value_heads=4)

@@ -21,15 +21,6 @@ CORPUS = ROOT.parent / "shared" / "data" / "corpus"
 TOKENIZER = ROOT.parent / "shared" / "data" / "qwen3-tokenizer"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny CPU training steps are dominated by OpenMP thread contention on a busy 2-core box: run them on 1 thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def scripted(scores, num_heads=4, depth=3, head_bias=None):
     """One step's entropies e[l][k][h]: layer l's heads around scores[l] (head h offset by head_bias[h])."""
     bias = head_bias or [0.01 * h for h in range(num_heads)]
@@ -159,7 +150,7 @@ def tiny_model(**growth):
     return SGTForCausalLM(cfg)
 
 
-def test_callback_drives_the_model_and_freezes_a_plan(tmp_path, one_thread):
+def test_callback_drives_the_model_and_freezes_a_plan(tmp_path):
     model = tiny_model()
     cb = SGTGrowthCallback(seq_len=16)
     cb.setup(model)
@@ -208,7 +199,7 @@ def _example():
 
 
 @pytest.mark.skipif(not CORPUS.is_dir() or not TOKENIZER.is_dir(), reason="shared/data not available")
-def test_trainer_run_grows_on_schedule_and_resumes(tmp_path, one_thread):
+def test_trainer_run_grows_on_schedule_and_resumes(tmp_path):
     example = _example()
     common = ["--corpus-dir", str(CORPUS), "--tokenizer", str(TOKENIZER), "--compact-vocab", "--max-chars", "20000",
               "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32", "--max-steps", "24",
@@ -267,7 +258,7 @@ dist.destroy_process_group()
 """
 
 
-def test_two_rank_all_reduce_equals_one_process(tmp_path, one_thread):
+def test_two_rank_all_reduce_equals_one_process(tmp_path):
     """Rank r sees micro-batch r; after all_reduce both ranks hold the EMA one process gets from both micro-batches.
     This process is rank 0 (its imports are warm), a subprocess is rank 1."""
     import datetime

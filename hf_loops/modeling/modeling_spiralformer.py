@@ -538,6 +538,17 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         idx = torch.arange(L, device=x.device)
         tok_mask = additive_mask(((idx[None, :] <= idx[:, None])[None] & valid[:, None, :])[:, None], x.dtype)
         h = self._run(self.pre_layers, x, tok_mask, pos, cache, self.layout.pre_offset(), use_cache, **kwargs)
+        h = self._topology_loop(
+            x, h, lambda h, t: self.spiral_step(h, t, pos, valid, aligned, cache, use_cache, force_gather=force_gather,
+                                                **kwargs)
+        )
+        return self._run(self.post_layers, h, tok_mask, pos, cache, self.layout.post_offset(), use_cache, **kwargs)
+
+    def _topology_loop(self, x, h, step):
+        """Run the T resolution steps on the pre-stack output `h`; `step(h, t)` returns iteration t's token update.
+
+        Anchor: h(t+1) = h(0) + update. MeSH: transitional write–read of h(0) into a buffer seeded with the embeddings,
+        then per step a write of the update and a read with routers computed from h(t) (spec §3)."""
         mesh = self.config.topology == "mesh"
         if mesh:
             memory = torch.zeros(*x.shape[:2], self.config.mesh_slots, x.shape[-1], dtype=x.dtype, device=x.device)
@@ -546,13 +557,13 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             memory, h = self._mesh_write_read(memory, h, w_write, w_read)
         h0 = h
         for t in range(len(self.config.chunk_sizes)):
-            e = self.spiral_step(h, t, pos, valid, aligned, cache, use_cache, force_gather=force_gather, **kwargs)
+            e = step(h, t)
             if mesh:
                 w_write, w_read = self._route(t + 1, h)
                 memory, h = self._mesh_write_read(memory, e, w_write, w_read)
             else:
                 h = h0 + e
-        return self._run(self.post_layers, h, tok_mask, pos, cache, self.layout.post_offset(), use_cache, **kwargs)
+        return h
 
     def _forward_token(self, x, key_valid, pos, cache, **kwargs):
         """One token per row (x: (b, 1, d)) against a non-empty cache."""
@@ -561,20 +572,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         valid = key_valid[:, -1]
         pos2 = pos[:, None]
         h = self._run(self.pre_layers, x, tok_mask, pos2, cache, self.layout.pre_offset(), True, **kwargs)
-        mesh = self.config.topology == "mesh"
-        if mesh:
-            memory = torch.zeros(*x.shape[:2], self.config.mesh_slots, x.shape[-1], dtype=x.dtype, device=x.device)
-            memory[:, :, 0] = x
-            w_write, w_read = self._route(0, x)
-            memory, h = self._mesh_write_read(memory, h, w_write, w_read)
-        h0 = h
-        for t in range(len(self.config.chunk_sizes)):
-            e = self._decode_level(t, h, pos, valid, cache, **kwargs)
-            if mesh:
-                w_write, w_read = self._route(t + 1, h)
-                memory, h = self._mesh_write_read(memory, e, w_write, w_read)
-            else:
-                h = h0 + e
+        h = self._topology_loop(x, h, lambda h, t: self._decode_level(t, h, pos, valid, cache, **kwargs))
         return self._run(self.post_layers, h, tok_mask, pos2, cache, self.layout.post_offset(), True, **kwargs)
 
 
