@@ -235,6 +235,7 @@ class _CallStreams:
         self.scratch: TaH2Cache | None = None
         self.meta: dict[int, dict] = {}  # stream -> past + new metadata (full batch)
         self.new_meta: dict[int, dict] = {}  # stream -> this call's entries
+        self.had_past: dict[int, bool] = {}  # set by `commit`: did the stream hold entries before this call?
 
     def store(self, stream: int) -> TaH2Cache:
         if self.cache is not None and (stream == 0 or self.persist_deeper):
@@ -254,7 +255,13 @@ class _CallStreams:
         """Past + this call's metadata of `stream` (full batch)."""
         if stream not in self.meta:
             new = self.new_meta[stream]
-            past = self.store(stream).stream_metadata(stream)
+            if stream in self.had_past:  # committed: the store already holds past + new
+                past = self.store(stream).stream_metadata(stream) if self.had_past[stream] else None
+                if past is not None:
+                    self.meta[stream] = {**past, "seq": None, "cont": None}
+                    return self.meta[stream]
+            else:
+                past = self.store(stream).stream_metadata(stream)
             if past is None:
                 self.meta[stream] = new
             else:
@@ -302,6 +309,10 @@ class _CallStreams:
         """Append this call's metadata to the caches that keep it (K/V were appended by the layers)."""
         for stream, new in self.new_meta.items():
             store = self.store(stream)
+            # After this append `store` holds past + new; `merged` must not add `new` a second time (the lookahead
+            # reads these streams after the main forward has committed them).
+            slot = store.meta_slot(stream)
+            self.had_past[stream] = slot < len(store.layers) and store.layers[slot].get_seq_length() > 0
             depth = depth_of_new_stream0 if stream == 0 else torch.zeros_like(new["pos"])
             store.append_metadata(stream, new["pos"], new["valid"], new["index"], depth)
 
@@ -631,13 +642,15 @@ class TaH2LoopRecords:
     seq_ids: torch.Tensor | None
     streams: _CallStreams
     max_iterations: int
+    synchronised: bool = False  # depth passes were agreed over data-parallel ranks (the lookahead does the same)
 
 
 def _any_on_any_rank(flag: bool, synchronise: bool) -> bool:
     """`flag` OR-ed over data-parallel ranks (only while training under torch.distributed)."""
     if not synchronise:
         return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda") if torch.cuda.is_available() else None)
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else None)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item() > 0)
 
@@ -704,6 +717,20 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         if kind == "learned":
             return self.decider(embeds, hidden, logits)
         return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
+
+    def _unused_parameter_anchor(self) -> torch.Tensor:
+        """0 · Σ p over the trainable updater/decider parameters, added to the training loss *inside* forward.
+
+        A step where no token continues leaves the updater (and, with a fixed-weight mixture, the decider) out of the
+        graph. Every data-parallel wrapper then needs each parameter to be reached exactly once by the graph of the
+        forward's own output: DDP without unused-parameter detection waits for a gradient of every parameter, DDP with
+        it marks the unreached ones ready at the end of forward (a term added outside forward would fire their hooks a
+        second time), and FSDP reduces every shard. Reaching them here, with a zero coefficient, satisfies all three."""
+        params = [p for part in (self.updater, self.decider) if part is not None for p in part.parameters()
+                  if p.requires_grad]
+        if not params:
+            return torch.zeros((), device=self.lm_head.weight.device)
+        return 0.0 * sum(p.sum() for p in params)
 
     def _needs_logits_for_decisions(self) -> bool:
         return self.config.decider == "learned" or self.config.updater == "topk_embedding"
@@ -822,6 +849,10 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
 
         # What to produce: full-vocabulary mixture at the kept positions, and/or log q_t[y_t] for the loss.
         targets = shift_targets(labels, kwargs.pop("shift_labels", None)) if labels is not None else None
+        if targets is not None:
+            # A padding position never runs, so it predicts nothing: with left padding the last pad's target (the first
+            # real token) is not supervised, and a padded batch's loss equals its rows run alone.
+            targets = targets.masked_fill(~valid, -100)
         full_logits = labels is None or return_mixture_logits or M == 1
         keep = self._keep_positions(logits_to_keep, T, device)
         kept_slot = torch.full((T,), -1, dtype=torch.long, device=device)
@@ -838,9 +869,12 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         iteration_hidden, rows_per_depth = [], []
         rec = {"executed": [], "token_logprob": [], "decider_logits": [], "hidden": []}
 
+        # Ranks run the same number of depth passes whenever the call is part of a training objective (training, or an
+        # evaluation step that computes the lookahead): sharded wrappers and the lookahead's collectives need it.
+        # Plain inference (generate) stays rank-local.
         synchronise = (
-            self.training and torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1
+            (self.training or return_loop_records) and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         )
         pack = _Packing.everything(valid)
         for depth in range(1, M + 1):
@@ -943,7 +977,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             if M == 1:
-                loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size, **kwargs)
+                loss = self.loss_function(logits=logits, labels=None, shift_labels=targets, vocab_size=cfg.vocab_size,
+                                          **kwargs)
             else:
                 if cfg.mixture == "even":
                     log_mix_target = log_mix_target - torch.log(iter_counts.clamp(min=1).float())
@@ -953,11 +988,14 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                 n = supervised.sum() if n is None else n
                 loss = nll / torch.as_tensor(n, device=device).clamp(min=1)
 
+        if loss is not None and self.training:
+            loss = loss + self._unused_parameter_anchor()
+
         records = None
         if return_loop_records:
             records = TaH2LoopRecords(
                 embeds=embeds.detach(), targets=targets, position_ids=position_ids, seq_ids=seq_ids,
-                streams=streams, max_iterations=M, **rec,
+                streams=streams, max_iterations=M, synchronised=synchronise, **rec,
             )
         return TaH2CausalLMOutput(
             loss=loss,
@@ -982,7 +1020,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         device = records.embeds.device
         token_index = torch.arange(T, device=device).expand(B, T)
         safe_targets = records.targets.clamp(min=0)
-        synchronise = torch.distributed.is_available() and torch.distributed.is_initialized()
+        synchronise = records.synchronised
         out = []
         for m in range(1, min(len(records.executed), records.max_iterations - 1) + 1):
             active = records.executed[m - 1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig, SFTTrainer
 
+from ..modeling.modeling_tah2 import shift_targets
 from .tah2_labels import compute_depth_labels, decider_bce_sum
 
 
@@ -71,26 +72,46 @@ def uses_lookahead(core, args) -> bool:
     )
 
 
-def tah2_joint_loss(model, inputs, args, num_items_in_batch=None):
+def _supervised_targets(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, T) bool: positions with a target, i.e. a shifted label that is not -100 at a real (non-padding) position —
+    the same rule the model applies (a padding position never runs, so it predicts nothing)."""
+    supervised = shift_targets(labels) != -100
+    if attention_mask is not None and attention_mask.dim() == 2:
+        supervised = supervised & attention_mask[:, -labels.shape[1]:].bool()
+    return supervised
+
+
+def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits: bool = False):
     """(loss, outputs, metrics) of one micro-batch (Eq. 7): mixture NLL + α_D · weighted decider BCE, both divided
     by the supervised-token count N (`num_items_in_batch`, the Trainer's convention, else this batch's count).
-    `args` carries the supervision knobs (a `TaH2SFTConfig`)."""
+    `args` carries the supervision knobs (a `TaH2SFTConfig`). `return_logits` also returns the full mixture
+    log-probabilities as `outputs.logits` (evaluation/prediction; not materialised in training).
+
+    `metrics` maps a name to a `(numerator, denominator)` pair of this micro-batch's sums: summed over micro-batches
+    and ranks before dividing, a logged value means the same for any accumulation or process count (`ntp_loss` is the
+    mean NLL per supervised token, `decider_loss` the weighted BCE per supervised token, rates are per token). δ_cut
+    and β are per-batch quantities and come as `(value, 1)`."""
     core = _unwrap(model)
     inputs = dict(inputs)
     labels = inputs.pop("labels")
     lookahead = uses_lookahead(core, args)
     outputs = model(**inputs, labels=labels, use_cache=False, return_loop_records=lookahead,
-                    num_items_in_batch=num_items_in_batch)
+                    return_mixture_logits=return_logits, num_items_in_batch=num_items_in_batch)
+    supervised = _supervised_targets(labels, inputs.get("attention_mask"))
+    n_local = supervised.sum()
+    n = torch.as_tensor(num_items_in_batch if num_items_in_batch is not None else n_local,
+                        device=outputs.loss.device).clamp(min=1)
     ntp = outputs.loss
     loss = ntp
-    metrics = {"ntp_loss": ntp.detach()}
-    supervised = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) != -100
+    one = torch.ones((), device=ntp.device)
+    # ntp * n is this micro-batch's NLL sum whatever N the loss was normalised by.
+    metrics = {"ntp_loss": (ntp.detach() * n, n_local)}
     depths = outputs.iter_counts
-    metrics["mean_depth"] = (depths[supervised].float().mean() if supervised.any() else depths.float().mean()).detach()
+    metrics["mean_depth"] = (depths[supervised].float().sum(), n_local)
     M = core.config.max_iterations
-    for m in range(1, M):  # every rank logs every key (gather_for_metrics is a collective)
+    for m in range(1, M):  # every rank logs every key (the reductions are collectives)
         ran = depths >= m
-        metrics[f"continue_rate@{m}"] = ((depths > m) & ran).sum().float() / ran.sum().clamp(min=1)
+        metrics[f"continue_rate@{m}"] = (((depths > m) & ran).sum(), ran.sum())
     if lookahead:
         rec = outputs.loop_records
         look = core.lookahead_logprobs(rec)
@@ -105,29 +126,27 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None):
             cost_max=args.cost_max,
             beta_clamp=args.beta_clamp,
         )
-        n = num_items_in_batch if num_items_in_batch is not None else (rec.targets != -100).sum()
-        n = torch.as_tensor(n, device=ntp.device).clamp(min=1)
-        bce = decider_bce_sum(rec.decider_logits, labels_d, margin=args.bce_margin).to(ntp.device) / n
-        loss = ntp + args.decider_loss_weight * bce
-        metrics["decider_loss"] = bce.detach()
+        bce_sum = decider_bce_sum(rec.decider_logits, labels_d, margin=args.bce_margin).to(ntp.device)
+        loss = ntp + args.decider_loss_weight * bce_sum / n
+        metrics["decider_loss"] = (bce_sum.detach(), n_local)
         threshold_logit = torch.logit(torch.tensor(core.config.exit_threshold))
         for m in range(1, M):
             c, terms = labels_d.continue_labels[m - 1], labels_d.bce_mask[m - 1]
-            n_terms = terms.sum().clamp(min=1).float()
-            metrics[f"delta_cut@{m}"] = torch.tensor(labels_d.delta_cut[m - 1])
-            metrics[f"beta@{m}"] = torch.tensor(labels_d.beta[m - 1])
-            metrics[f"label_continue_rate@{m}"] = (c & terms).sum().float() / n_terms
+            metrics[f"delta_cut@{m}"] = (torch.tensor(labels_d.delta_cut[m - 1]), one)
+            metrics[f"beta@{m}"] = (torch.tensor(labels_d.beta[m - 1]), one)
+            metrics[f"label_continue_rate@{m}"] = ((c & terms).sum(), terms.sum())
             if m - 1 < len(rec.decider_logits):
                 pred = rec.decider_logits[m - 1].detach() > threshold_logit
-                metrics[f"decider_acc@{m}"] = ((pred == c) & terms).sum().float() / n_terms
+                metrics[f"decider_acc@{m}"] = (((pred == c) & terms).sum(), terms.sum())
             else:
-                metrics[f"decider_acc@{m}"] = torch.tensor(0.0)
+                metrics[f"decider_acc@{m}"] = (torch.zeros(()), terms.sum())
         outputs.depth_labels = labels_d
-    # Updater/decider parameters a step did not use still get a (zero) gradient: DDP needs every parameter used.
-    extra = [p for part in (core.updater, core.decider) if part is not None for p in part.parameters() if p.requires_grad]
-    if extra and model.training:
-        loss = loss + 0.0 * sum(p.sum() for p in extra)
     return loss, outputs, metrics
+
+
+def metric_values(metrics: dict) -> dict:
+    """The per-micro-batch value of each `tah2_joint_loss` metric (numerator ÷ denominator; 0 when empty)."""
+    return {k: float(num) / float(den) if float(den) > 0 else 0.0 for k, (num, den) in metrics.items()}
 
 
 class TaH2SFTTrainer(SFTTrainer):
@@ -138,15 +157,43 @@ class TaH2SFTTrainer(SFTTrainer):
         # decayed too (HF's default would exempt them).
         return [name for name, _ in model.named_parameters()]
 
-    def tah2_loss(self, model, inputs, num_items_in_batch=None):
-        return tah2_joint_loss(model, inputs, self.args, num_items_in_batch)
+    def tah2_loss(self, model, inputs, num_items_in_batch=None, return_logits: bool = False):
+        return tah2_joint_loss(model, inputs, self.args, num_items_in_batch, return_logits=return_logits)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
-        loss, outputs, metrics = self.tah2_loss(model, inputs, num_items_in_batch)
+        # Evaluation/prediction asks for the outputs when it needs logits (compute_metrics, predict): return the
+        # mixture's log-probabilities then. Pass `preprocess_logits_for_metrics` to the trainer to reduce them per
+        # batch (e.g. to argmax ids) where keeping (B, T, V) for the whole eval set would take too much memory.
+        loss, outputs, metrics = self.tah2_loss(model, inputs, num_items_in_batch,
+                                                return_logits=return_outputs and not model.training)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None and model.training:
             loss = loss * self.accelerator.num_processes  # Trainer convention: DDP averages gradients over ranks
-        for key, value in metrics.items():
-            value = torch.as_tensor(value, device=self.accelerator.device, dtype=torch.float32)
-            self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value.reshape(1)).mean().item())
+        self._record_metrics(mode, metrics)
         return (loss, outputs) if return_outputs else loss
+
+    def _record_metrics(self, mode: str, metrics: dict) -> None:
+        """Sum each metric's numerator and denominator over ranks and micro-batches; `log` divides."""
+        if not hasattr(self, "_tah2_sums"):
+            self._tah2_sums = {"train": {}, "eval": {}}
+        keys = sorted(metrics)
+        device = self.accelerator.device
+        pairs = torch.stack([torch.stack([torch.as_tensor(metrics[k][0], dtype=torch.float64, device=device),
+                                          torch.as_tensor(metrics[k][1], dtype=torch.float64, device=device)])
+                             for k in keys])
+        if self.accelerator.num_processes > 1:
+            pairs = self.accelerator.reduce(pairs, reduction="sum")  # one collective for every metric
+        sums = self._tah2_sums[mode]
+        for key, (num, den) in zip(keys, pairs.tolist()):
+            if key.startswith(("delta_cut@", "beta@")):  # per-batch values: mean over ranks and micro-batches
+                num, den = num / self.accelerator.num_processes, den / self.accelerator.num_processes
+            old = sums.get(key, (0.0, 0.0))
+            sums[key] = (old[0] + num, old[1] + den)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        sums = getattr(self, "_tah2_sums", {}).get(mode, {})
+        for key, (num, den) in sums.items():
+            self._metrics[mode][key] = [num / den if den > 0 else 0.0]
+        sums.clear()
+        super().log(logs, start_time)
