@@ -93,6 +93,27 @@ def _warn_unknown(kind: str, init_args: dict) -> None:
         logger.warning(f"official TaH2 {kind}: ignoring unrecognised init_args {unknown}")
 
 
+def threshold_value(stored, declared=None) -> float:
+    """τ from the decider's `threshold` buffer without a precision loss: `declared` (the init_args value) when the
+    buffer holds exactly it, else the shortest decimal the buffer's dtype stores as the same number (0.3 for a float32
+    buffer holding 0.30000001; a float64 buffer, as `export_tah2` writes, gives its exact value)."""
+    t = torch.as_tensor(stored).reshape(-1)[0]
+    if not t.is_floating_point():
+        t = t.double()
+
+    def held(x: float) -> bool:
+        return bool(torch.tensor(x, dtype=t.dtype) == t)
+
+    if isinstance(declared, (int, float)) and not isinstance(declared, bool) and held(float(declared)):
+        return float(declared)
+    value = float(t.double().item())
+    for digits in range(1, 18):
+        shortest = float(f"{value:.{digits}g}")
+        if held(shortest):
+            return shortest
+    return value
+
+
 def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict, dict, dict]:
     """(config kwargs for TaH2Config, decider state dict, updater state dict) of an official TaH2 directory."""
     path = os.fspath(path)
@@ -131,7 +152,7 @@ def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict,
     kw["decider"] = DECIDER_CLASSES[dec_cls]
     threshold = dec_state.pop("threshold", None)
     if threshold is not None:
-        kw["exit_threshold"] = float(torch.as_tensor(threshold).float().reshape(-1)[0])
+        kw["exit_threshold"] = threshold_value(threshold, dec_args.get("threshold"))
     elif "threshold" in dec_args:
         kw["exit_threshold"] = float(dec_args["threshold"])
     if kw["decider"] == "learned":
@@ -207,10 +228,14 @@ def load_official_tah2(config_cls, backbone_loader, path, allow_pickle: bool = F
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in config_cls.__annotations__}
     cfg_kw.update(overrides)
     config = config_cls(**cfg_kw)
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()  # updater/decider are expected to be missing here (loaded below); checked below
     try:
         model, info = backbone_loader(path, config=config, output_loading_info=True, **kwargs)
     except (OSError, RuntimeError) as err:  # missing weight files (OSError), shape mismatches (RuntimeError)
         raise ValueError(f"official TaH2 checkpoint {path!r}: could not load the Qwen3 weights: {err}") from err
+    finally:
+        logging.set_verbosity(previous)
     bad_missing = [k for k in info["missing_keys"] if not k.startswith(("updater.", "decider."))]
     if info["unexpected_keys"] or bad_missing or info.get("mismatched_keys"):
         raise ValueError(
