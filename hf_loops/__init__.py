@@ -5,8 +5,9 @@ Importing the package registers every architecture with `AutoConfig`, `AutoModel
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .modeling.cache_tah2 import TaH2Cache
 from .modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
-from .modeling.modeling_tah2 import TaH2Cache, TaH2CausalLMOutput, TaH2ForCausalLM, TaH2Model, TaH2PreTrainedModel
+from .modeling.modeling_tah2 import TaH2CausalLMOutput, TaH2ForCausalLM, TaH2Model, TaH2PreTrainedModel
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, ModelOutput
@@ -33,10 +33,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
+from .cache_tah2 import CallStreams, StreamView, TaH2Cache
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
 from .loop_utils import (
     additive_mask,
-    ensure_cache_slots,
     plain_attention_mask,
     positions_from_mask,
     sequence_ids_from_positions,
@@ -96,278 +96,6 @@ def iteration_visibility(
     if query_seq is not None and key_seq is not None:
         visible = visible & (query_seq[:, :, None] == key_seq[:, None, :])
     return visible
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Cache: one DynamicLayer per (stream, layer) + one metadata layer per stream
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class TaH2Cache(DynamicCache):
-    """KV cache of TaH2: one `DynamicLayer` per (stream j, layer l) inside `cache.layers`.
-
-    Layout: stream j occupies slots `j*(L+1) .. j*(L+1)+L-1` for its L layers and slot `j*(L+1)+L` for its metadata,
-    stored as a `DynamicLayer` too (keys = RoPE position, values = [valid, stream-0 index, executed depth], fp32), so
-    that every batch operation `generate` performs on `cache.layers` (beam reorder, repeat, select) moves metadata
-    and K/V together. Stream 0 is dense (every token); deeper streams hold only tokens that ran that depth, rows
-    right-padded with valid = 0. `get_seq_length()` reads stream 0 layer 0, i.e. counts tokens.
-
-    `generate` builds a plain `DynamicCache(config=...)`; the model adopts it in place (`TaH2Cache.adopt`), which adds
-    the slots and gives it this class's `crop`.
-    """
-
-    num_backbone_layers: int = 0
-
-    @classmethod
-    def adopt(cls, cache: Cache, num_backbone_layers: int) -> "TaH2Cache":
-        if not isinstance(cache, DynamicCache):
-            raise ValueError(
-                f"TaH2 needs a DynamicCache (its deeper streams grow by a data-dependent number of tokens); got "
-                f"{type(cache).__name__}. Use the default dynamic cache in generate."
-            )
-        if not isinstance(cache, TaH2Cache):
-            # Same state, TaH2's crop/metadata methods: the object generate holds keeps working in place.
-            cache.__class__ = TaH2Cache
-        if cache.num_backbone_layers not in (0, num_backbone_layers):
-            raise ValueError(
-                f"cache was built for {cache.num_backbone_layers} layers, the model has {num_backbone_layers}"
-            )
-        cache.num_backbone_layers = num_backbone_layers
-        ensure_cache_slots(cache, num_backbone_layers + 1)
-        return cache
-
-    # -- layout ------------------------------------------------------------------------------------------------------
-    def kv_slot(self, stream: int, layer_idx: int) -> int:
-        return stream * (self.num_backbone_layers + 1) + layer_idx
-
-    def meta_slot(self, stream: int) -> int:
-        return stream * (self.num_backbone_layers + 1) + self.num_backbone_layers
-
-    def ensure_streams(self, num_streams: int) -> None:
-        ensure_cache_slots(self, num_streams * (self.num_backbone_layers + 1))
-
-    @property
-    def num_streams(self) -> int:
-        n = 0
-        while self.meta_slot(n) < len(self.layers) and self.layers[self.meta_slot(n)].get_seq_length() > 0:
-            n += 1
-        return n
-
-    def kv_layer(self, stream: int, layer_idx: int) -> DynamicLayer:
-        self.ensure_streams(stream + 1)
-        return self.layers[self.kv_slot(stream, layer_idx)]
-
-    # -- metadata ----------------------------------------------------------------------------------------------------
-    def stream_metadata(self, stream: int) -> dict | None:
-        """pos, valid, index (stream-0 coordinate) and depth of every entry of `stream`, or None when empty."""
-        slot = self.meta_slot(stream)
-        if slot >= len(self.layers) or self.layers[slot].get_seq_length() == 0:
-            return None
-        layer = self.layers[slot]
-        pos = layer.keys[:, 0, :, 0].long()
-        extra = layer.values[:, 0]
-        return {"pos": pos, "valid": extra[..., 0] > 0.5, "index": extra[..., 1].long(), "depth": extra[..., 2].long()}
-
-    def append_metadata(self, stream: int, pos, valid, index, depth) -> None:
-        self.ensure_streams(stream + 1)
-        keys = pos.to(torch.float32)[:, None, :, None]
-        values = torch.stack([valid.to(torch.float32), index.to(torch.float32), depth.to(torch.float32)], dim=-1)
-        self.layers[self.meta_slot(stream)].update(keys, values[:, None])
-
-    @property
-    def token_depth(self) -> torch.Tensor | None:
-        """(B, S) executed depth of every cached token (0 for padding)."""
-        meta = self.stream_metadata(0)
-        return None if meta is None else meta["depth"] * meta["valid"]
-
-    # -- generate's cache operations -------------------------------------------------------------------------------------
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (v5 convention: a negative count).
-
-        Stream 0 is cut like any dynamic cache. A deeper stream's entries of removed tokens are marked invalid, then the
-        trailing columns that no row still uses are dropped.
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        if tokens_to_remove == 0 or self.get_seq_length() == 0:
-            return
-        keep_tokens = self.get_seq_length() + tokens_to_remove
-        for stream in range(self.num_streams):
-            slots = [self.kv_slot(stream, l) for l in range(self.num_backbone_layers)] + [self.meta_slot(stream)]
-            if stream == 0:
-                for s in slots:
-                    self.layers[s].crop(tokens_to_remove)
-                continue
-            meta_layer = self.layers[self.meta_slot(stream)]
-            index = meta_layer.values[:, 0, :, 1]
-            gone = index >= keep_tokens
-            meta_layer.values = meta_layer.values.clone()
-            meta_layer.values[:, 0, :, 0] = torch.where(gone, 0.0, meta_layer.values[:, 0, :, 0])
-            still = meta_layer.values[:, 0, :, 0] > 0.5
-            used = still.any(0).nonzero()
-            width = int(used.max()) + 1 if used.numel() else 0
-            for s in slots:
-                layer = self.layers[s]
-                if width == 0:
-                    layer.reset()
-                else:
-                    layer.keys = layer.keys[..., :width, :]
-                    layer.values = layer.values[..., :width, :]
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Per-call stream store and the view handed to the shared decoder layers
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class _CallStreams:
-    """Where each stream's K/V live during one forward call, and the key metadata the masks are built from.
-
-    Stream j is written to the persistent cache when there is one (in causal mode only stream 0: deeper states of
-    earlier tokens are never visible, so they are dropped after the call) and otherwise to a scratch cache that lives
-    for this call only. Training therefore carries cross-iteration K/V explicitly, never through HF's `cache=` path.
-    """
-
-    def __init__(self, cache: TaH2Cache | None, num_layers: int, persist_deeper: bool):
-        self.cache = cache
-        self.num_layers = num_layers
-        self.persist_deeper = persist_deeper
-        self.scratch: TaH2Cache | None = None
-        self.meta: dict[int, dict] = {}  # stream -> past + new metadata (full batch)
-        self.new_meta: dict[int, dict] = {}  # stream -> this call's entries
-        self.had_past: dict[int, bool] = {}  # set by `commit`: did the stream hold entries before this call?
-
-    def store(self, stream: int) -> TaH2Cache:
-        if self.cache is not None and (stream == 0 or self.persist_deeper):
-            return self.cache
-        if self.scratch is None:
-            self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
-        return self.scratch
-
-    def add_entries(self, stream: int, pos, valid, index, seq=None, cont=None) -> None:
-        """Register this call's new entries of `stream` (full batch, appended after the past entries).
-
-        `cont` (lookahead only) marks entries whose token really executed this depth in the main forward."""
-        self.new_meta[stream] = {"pos": pos, "valid": valid, "index": index, "seq": seq, "cont": cont}
-        self.meta.pop(stream, None)  # merged with the past lazily: most decode steps never read it
-
-    def merged(self, stream: int) -> dict:
-        """Past + this call's metadata of `stream` (full batch)."""
-        if stream not in self.meta:
-            new = self.new_meta[stream]
-            if stream in self.had_past:  # committed: the store already holds past + new
-                past = self.store(stream).stream_metadata(stream) if self.had_past[stream] else None
-                if past is not None:
-                    self.meta[stream] = {**past, "seq": None, "cont": None}
-                    return self.meta[stream]
-            else:
-                past = self.store(stream).stream_metadata(stream)
-            if past is None:
-                self.meta[stream] = new
-            else:
-                merged = {k: torch.cat([past[k], new[k]], dim=1) for k in ("pos", "valid", "index")}
-                merged["seq"] = merged["cont"] = None
-                self.meta[stream] = merged
-        return self.meta[stream]
-
-    def has(self, stream: int) -> bool:
-        return stream in self.meta or stream in self.new_meta
-
-    def share_streams(self, other: "_CallStreams", streams: list[int]) -> None:
-        """Read-only access to `other`'s streams (the lookahead reads the main forward's K/V without copying)."""
-        if self.scratch is None:
-            self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
-        self.scratch.ensure_streams(max(streams) + 1)
-        for s in streams:
-            src = other.store(s)
-            for offset in range(self.num_layers + 1):
-                self.scratch.layers[self.scratch.kv_slot(s, 0) + offset] = src.layers[src.kv_slot(s, 0) + offset]
-            self.meta[s] = other.merged(s)
-
-    def past_metadata(self, stream: int) -> dict | None:
-        return self.store(stream).stream_metadata(stream)
-
-    def key_metadata(self, streams: list[int], rows: torch.Tensor | None) -> dict:
-        streams = [s for s in streams if self.has(s)]
-        parts = [self.merged(s) for s in streams]
-        out = {
-            "pos": torch.cat([p["pos"] for p in parts], 1),
-            "valid": torch.cat([p["valid"] for p in parts], 1),
-            "iter": torch.cat([torch.full_like(p["pos"], s) for s, p in zip(streams, parts)], 1),
-        }
-        out["seq"] = (
-            torch.cat([p["seq"] for p in parts], 1) if all(p["seq"] is not None for p in parts) else None
-        )
-        out["cont"] = torch.cat(
-            [p["cont"] if p.get("cont") is not None else torch.zeros_like(p["valid"]) for p in parts], 1
-        )
-        if rows is not None:
-            out = {k: (v.index_select(0, rows) if v is not None else None) for k, v in out.items()}
-        return out
-
-    def commit(self, depth_of_new_stream0: torch.Tensor) -> None:
-        """Append this call's metadata to the caches that keep it (K/V were appended by the layers)."""
-        for stream, new in self.new_meta.items():
-            store = self.store(stream)
-            # After this append `store` holds past + new; `merged` must not add `new` a second time (the lookahead
-            # reads these streams after the main forward has committed them).
-            slot = store.meta_slot(stream)
-            self.had_past[stream] = slot < len(store.layers) and store.layers[slot].get_seq_length() > 0
-            depth = depth_of_new_stream0 if stream == 0 else torch.zeros_like(new["pos"])
-            store.append_metadata(stream, new["pos"], new["valid"], new["index"], depth)
-
-
-class _StreamView:
-    """`cache=` object for the shared layers while they run stream `stream` on the rows `rows` of the batch.
-
-    `update` writes the rows' new K/V into the stream's slot (full batch: rows that are not running get zero
-    placeholders, which the metadata marks invalid) and returns, for those rows, the keys of every stream the mode
-    lets this depth see, concatenated in stream order — the same order as `_CallStreams.key_metadata`.
-
-    Under activation checkpointing a layer runs twice; the second (recompute) call rebuilds the same concatenation
-    from the prefix that preceded this call's write instead of writing again.
-    """
-
-    def __init__(self, streams: _CallStreams, stream: int, key_streams: list[int], rows, batch_size: int):
-        self.streams = streams
-        self.stream = stream
-        self.key_streams = key_streams
-        self.rows = rows
-        self.batch_size = batch_size
-        self._prefix_len: dict[int, int] = {}
-
-    def _scatter(self, states: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return states
-        full = states.new_zeros((self.batch_size,) + tuple(states.shape[1:]))
-        return full.index_copy(0, self.rows, states)
-
-    def _select(self, states: torch.Tensor) -> torch.Tensor:
-        return states if self.rows is None else states.index_select(0, self.rows)
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        store = self.streams.store(self.stream)
-        layer = store.kv_layer(self.stream, layer_idx)
-        k_new, v_new = self._scatter(key_states), self._scatter(value_states)
-        if layer_idx not in self._prefix_len:
-            self._prefix_len[layer_idx] = layer.get_seq_length()
-            k_all, v_all = layer.update(k_new, v_new)
-        else:
-            n = self._prefix_len[layer_idx]
-            k_all = torch.cat([layer.keys[..., :n, :], k_new], dim=-2)
-            v_all = torch.cat([layer.values[..., :n, :], v_new], dim=-2)
-        keys, values = [], []
-        for s in self.key_streams:
-            if s == self.stream:
-                keys.append(k_all)
-                values.append(v_all)
-            elif self.streams.has(s):
-                other = self.streams.store(s).kv_layer(s, layer_idx)
-                keys.append(other.keys)
-                values.append(other.values)
-        k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)
-        v = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
-        return self._select(k), self._select(v)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -435,6 +163,257 @@ class TaH2Decider(nn.Module):
         p = self.topk_probs(logits).to(hidden.dtype)
         x = self.input_proj(torch.cat([self.norm_first(embeds), self.norm_last(hidden), self.norm_l(p)], dim=-1))
         return self.score(self.norm_out(self.mlp(x))).squeeze(-1).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packing active tokens (spec §2.7)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Packing:
+    """Which tokens one depth runs: per batch row `rows`, the active tokens gathered to the left (stable order) and
+    right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token."""
+
+    rows: torch.Tensor | None  # batch rows that take part (None: all)
+    order: torch.Tensor  # (Bj, Tj)
+    real: torch.Tensor  # (Bj, Tj) bool
+    identity: bool = False  # depth 1: every position of every row, in place
+
+    @classmethod
+    def everything(cls, valid: torch.Tensor) -> "_Packing":
+        B, T = valid.shape
+        return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True)
+
+    @classmethod
+    def placeholder(cls, batch_size: int, device) -> "_Packing":
+        """One padding slot: lets a rank with no active token still run a depth that other ranks run (sharded
+        training needs every rank to call the same modules the same number of times)."""
+        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
+        return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
+
+    @classmethod
+    def of(cls, active: torch.Tensor) -> "_Packing | None":
+        counts = active.sum(1)
+        width = int(counts.max()) if active.numel() else 0
+        if width == 0:
+            return None
+        rows = counts.nonzero().squeeze(1)
+        if rows.numel() == active.shape[0]:
+            rows = None
+        sub = active if rows is None else active.index_select(0, rows)
+        order = torch.argsort((~sub).to(torch.int8), dim=1, stable=True)[:, :width]
+        return cls(rows, order, torch.gather(sub, 1, order))
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) → (Bj, Tj, ...) for this depth's slots."""
+        if self.identity:
+            return t
+        t = t if self.rows is None else t.index_select(0, self.rows)
+        index = self.order.view(*self.order.shape, *([1] * (t.dim() - 2))).expand(*self.order.shape, *t.shape[2:])
+        return torch.gather(t, 1, index)
+
+    def scatter_rows(self, t: torch.Tensor, batch_size: int, fill) -> torch.Tensor:
+        """(Bj, Tj) → (B, Tj): rows that do not take part get `fill`."""
+        if self.rows is None:
+            return t
+        out = torch.full((batch_size,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+        return out.index_copy(0, self.rows, t)
+
+    def flat_tokens(self):
+        """(batch index, time index, slot selector) of every real token of this depth."""
+        sel = self.real.nonzero(as_tuple=True)
+        rows = torch.arange(self.order.shape[0], device=self.order.device) if self.rows is None else self.rows
+        return rows[sel[0]], self.order[sel], sel
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One depth of the loop, and the stopping-weighted mixture (Eq. 4)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DepthStep:
+    """What one depth m produced for its real tokens (flat (N, ...) tensors, N = tokens that ran depth m)."""
+
+    depth: int
+    last: bool  # m = M: every token stops here
+    batch_index: torch.Tensor  # (N,)
+    time_index: torch.Tensor  # (N,)
+    slots: tuple  # the tokens' slots in the packed (Bj, Tj) layout
+    hidden: torch.Tensor  # h(m), final-normed
+    embeds: torch.Tensor  # e
+    logits: torch.Tensor | None  # z(m) of every token (None when neither the loss nor a decision needs them)
+    kept: torch.Tensor  # (N,) bool: the token's position is one of `logits_to_keep`
+    kept_logits: torch.Tensor | None  # z(m) of the kept tokens, when the full mixture is produced
+    continue_logit: torch.Tensor | None  # decider logit (fp32, with gradient); None at m = M
+    continue_prob: torch.Tensor  # g(m); 0 at m = M
+    cont: torch.Tensor  # (N,) bool: the token runs depth m + 1
+
+
+class StoppingWeightedMixture:
+    """q_t = Σ_m ω_t(m) q_t(m), accumulated in fp32 log space while the depths run.
+
+    `stop_prob` (Eq. 4): ω(m) = R(m)(1 − g(m)) for a token that continues and R(m) for one that stops, with
+    R(m) = Π_{j<m} g(j); `even`: uniform over the executed depths (the 1/m_t is applied at the end); `final`: the last
+    executed depth only. Two read-outs: the full distribution at the kept positions (inference, evaluation) and
+    log q_t[y_t] alone (training: no (B, T, V) tensor)."""
+
+    def __init__(self, kind: str, batch_size: int, seq_len: int, num_kept: int, device):
+        self.kind = kind
+        self.shape = (batch_size, seq_len, num_kept)
+        self.device = device
+        self.remaining = torch.ones(batch_size, seq_len, dtype=torch.float32, device=device)  # R
+        self.log_dist = None  # (B, K, V)
+        self.log_target = None  # (B, T)
+
+    def log_weights(self, step: DepthStep) -> torch.Tensor:
+        """log ω(m) of the step's tokens; updates R."""
+        if self.kind != "stop_prob":
+            return torch.zeros_like(step.continue_prob)
+        index = (step.batch_index, step.time_index)
+        r, g, cont = self.remaining[index], step.continue_prob, step.cont
+        log_w = torch.log(torch.where(cont, r * (1.0 - g), r).clamp(min=1e-10))
+        self.remaining = self.remaining.index_put(index, torch.where(cont, r * g, r))
+        return log_w
+
+    def _accumulate(self, buffer, index, term):
+        if self.kind == "final":
+            return buffer.index_put(index, term)
+        return buffer.index_put(index, torch.logaddexp(buffer[index], term))
+
+    def add_distribution(self, index, log_w: torch.Tensor, logits: torch.Tensor) -> None:
+        """Add ω · q(m) over the vocabulary at (batch, kept-slot) `index`."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if self.log_dist is None:
+            B, _, K = self.shape
+            self.log_dist = torch.full((B, K, logp.shape[-1]), float("-inf"), device=self.device)
+        self.log_dist = self._accumulate(self.log_dist, index, log_w[:, None] + logp)
+
+    def add_target(self, index, log_w: torch.Tensor, logp_target: torch.Tensor) -> None:
+        """Add ω · q(m)[y] at (batch, time) `index`."""
+        if self.log_target is None:
+            B, T, _ = self.shape
+            self.log_target = torch.full((B, T), float("-inf"), device=self.device)
+        self.log_target = self._accumulate(self.log_target, index, log_w + logp_target)
+
+    def _normalise(self, log_q: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        return log_q - torch.log(depth.clamp(min=1).float()) if self.kind == "even" else log_q
+
+    def log_probs(self, depth_kept: torch.Tensor) -> torch.Tensor | None:
+        """(B, K, V) mixture log-probabilities; padding (never ran) gets a finite zero row so losses stay NaN-free."""
+        if self.log_dist is None:
+            return None
+        logits = self._normalise(self.log_dist, depth_kept[..., None])
+        return torch.where(depth_kept[..., None] > 0, logits, torch.zeros((), device=self.device))
+
+    def target_log_probs(self, depth: torch.Tensor) -> torch.Tensor:
+        """(B, T) log q_t[y_t]; −inf where the token never ran."""
+        return self._normalise(self.log_target, depth)
+
+
+def target_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(z)[y] in fp32, without materialising the log-softmax."""
+    z = logits.float()
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loop records: what lookahead depth supervision needs from the main forward (spec §4.1)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TaH2LoopRecords:
+    """Per-depth quantities of one teacher-forced forward, for lookahead depth supervision (spec §4.1).
+
+    Lists are indexed by depth m−1. `token_logprob[m−1]` = log q(m)[y_t] (fp32, detached, 0 where not executed);
+    `decider_logits[m−1]` (m < M) keep their gradient; `hidden` are the detached h(m) the lookahead starts from.
+    """
+
+    executed: list
+    token_logprob: list
+    decider_logits: list
+    hidden: list
+    embeds: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor | None
+    streams: CallStreams
+    max_iterations: int
+    synchronised: bool = False  # depth passes were agreed over data-parallel ranks (the lookahead does the same)
+
+
+class _LoopRecorder:
+    """Collects `TaH2LoopRecords` lists depth by depth, scattered back to (B, T)."""
+
+    def __init__(self, embeds: torch.Tensor):
+        self.embeds = embeds
+        self.lists = {"executed": [], "token_logprob": [], "decider_logits": [], "hidden": []}
+
+    def add(self, step: DepthStep, logp_target: torch.Tensor) -> None:
+        B, T, _ = self.embeds.shape
+        device = self.embeds.device
+        index = (step.batch_index, step.time_index)
+        self.lists["executed"].append(
+            torch.zeros(B, T, dtype=torch.bool, device=device).index_put(index, torch.ones_like(index[0], dtype=torch.bool)))
+        self.lists["token_logprob"].append(torch.zeros(B, T, device=device).index_put(index, logp_target.detach()))
+        self.lists["hidden"].append(torch.zeros_like(self.embeds).index_put(index, step.hidden.detach()))
+        if step.continue_logit is not None:
+            self.lists["decider_logits"].append(torch.zeros(B, T, device=device).index_put(index, step.continue_logit))
+
+    def records(self, **fields) -> TaH2LoopRecords:
+        return TaH2LoopRecords(embeds=self.embeds.detach(), **fields, **self.lists)
+
+
+def _any_on_any_rank(flag: bool, synchronise: bool) -> bool:
+    """`flag` OR-ed over data-parallel ranks (only while training under torch.distributed)."""
+    if not synchronise:
+        return flag
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else None)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def shift_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Target of every position (HF convention: labels are unshifted; the last position has none)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def keep_positions(logits_to_keep, seq_len: int, device) -> torch.Tensor:
+    """Positions whose logits the call returns (`logits_to_keep`: 0 = all, n = the last n, or explicit positions)."""
+    if isinstance(logits_to_keep, int):
+        start = 0 if logits_to_keep == 0 else max(seq_len - logits_to_keep, 0)
+        return torch.arange(start, seq_len, device=device)
+    if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 1:
+        return logits_to_keep.to(device)
+    raise ValueError("logits_to_keep must be an int or a 1-D tensor of positions")
+
+
+@dataclass
+class _LoopSetup:
+    """Everything one forward call fixes before its first depth."""
+
+    max_iterations: int
+    exit_threshold: float
+    embeds: torch.Tensor  # (B, T, d)
+    valid: torch.Tensor  # (B, T) bool: real tokens
+    attention_mask: torch.Tensor | None  # 2-D padding mask (B, past + T)
+    position_ids: torch.Tensor  # (B, T) RoPE positions, the same at every depth
+    seq_ids: torch.Tensor | None  # packed (padding-free) rows: document of every token
+    token_index: torch.Tensor  # (B, T) stream-0 coordinate (past + t)
+    cache: TaH2Cache | None
+    past: int
+    streams: CallStreams
+    targets: torch.Tensor | None  # (B, T) shifted labels, -100 where unsupervised (padding included)
+    keep: torch.Tensor  # kept positions
+    kept_slot: torch.Tensor  # (T,) slot of each position among the kept ones, -1 if not kept
+    full_logits: bool  # produce the (B, K, V) mixture
+    synchronise: bool  # agree on the number of depth passes over data-parallel ranks
+    use_cache: bool  # return the cache
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -567,101 +546,6 @@ class TaH2Model(TaH2PreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache if use_cache else None)
 
 
-@dataclass
-class _Packing:
-    """Which tokens one depth runs: per batch row `rows`, the active tokens gathered to the left (stable order) and
-    right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token."""
-
-    rows: torch.Tensor | None  # batch rows that take part (None: all)
-    order: torch.Tensor  # (Bj, Tj)
-    real: torch.Tensor  # (Bj, Tj) bool
-    identity: bool = False  # depth 1: every position of every row, in place
-
-    @classmethod
-    def everything(cls, valid: torch.Tensor) -> "_Packing":
-        B, T = valid.shape
-        return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True)
-
-    @classmethod
-    def placeholder(cls, batch_size: int, device) -> "_Packing":
-        """One padding slot: lets a rank with no active token still run a depth that other ranks run (sharded
-        training needs every rank to call the same modules the same number of times)."""
-        zero = torch.zeros(1, 1, dtype=torch.long, device=device)
-        return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
-
-    @classmethod
-    def of(cls, active: torch.Tensor) -> "_Packing | None":
-        counts = active.sum(1)
-        width = int(counts.max()) if active.numel() else 0
-        if width == 0:
-            return None
-        rows = counts.nonzero().squeeze(1)
-        if rows.numel() == active.shape[0]:
-            rows = None
-        sub = active if rows is None else active.index_select(0, rows)
-        order = torch.argsort((~sub).to(torch.int8), dim=1, stable=True)[:, :width]
-        return cls(rows, order, torch.gather(sub, 1, order))
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, T, ...) → (Bj, Tj, ...) for this depth's slots."""
-        if self.identity:
-            return t
-        t = t if self.rows is None else t.index_select(0, self.rows)
-        index = self.order.view(*self.order.shape, *([1] * (t.dim() - 2))).expand(*self.order.shape, *t.shape[2:])
-        return torch.gather(t, 1, index)
-
-    def scatter_rows(self, t: torch.Tensor, batch_size: int, fill) -> torch.Tensor:
-        """(Bj, Tj) → (B, Tj): rows that do not take part get `fill`."""
-        if self.rows is None:
-            return t
-        out = torch.full((batch_size,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-        return out.index_copy(0, self.rows, t)
-
-    def flat_tokens(self):
-        """(batch index, time index, slot selector) of every real token of this depth."""
-        sel = self.real.nonzero(as_tuple=True)
-        rows = torch.arange(self.order.shape[0], device=self.order.device) if self.rows is None else self.rows
-        return rows[sel[0]], self.order[sel], sel
-
-
-@dataclass
-class TaH2LoopRecords:
-    """Per-depth quantities of one teacher-forced forward, for lookahead depth supervision (spec §4.1).
-
-    Lists are indexed by depth m−1. `token_logprob[m−1]` = log q(m)[y_t] (fp32, detached, 0 where not executed);
-    `decider_logits[m−1]` (m < M) keep their gradient; `hidden` are the detached h(m) the lookahead starts from.
-    """
-
-    executed: list
-    token_logprob: list
-    decider_logits: list
-    hidden: list
-    embeds: torch.Tensor
-    targets: torch.Tensor
-    position_ids: torch.Tensor
-    seq_ids: torch.Tensor | None
-    streams: _CallStreams
-    max_iterations: int
-    synchronised: bool = False  # depth passes were agreed over data-parallel ranks (the lookahead does the same)
-
-
-def _any_on_any_rank(flag: bool, synchronise: bool) -> bool:
-    """`flag` OR-ed over data-parallel ranks (only while training under torch.distributed)."""
-    if not synchronise:
-        return flag
-    on_gpu = torch.distributed.get_backend() == "nccl"
-    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else None)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def shift_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
-    """Target of every position (HF convention: labels are unshifted; the last position has none)."""
-    if shift_labels is not None:
-        return shift_labels
-    return F.pad(labels[:, 1:], (0, 1), value=-100)
-
-
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Modules a Qwen3 checkpoint does not have (freshly initialised by a conversion).
@@ -695,7 +579,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                       allow_pickle=allow_pickle, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
-    # -- the pieces of one iteration ---------------------------------------------------------------------------------
+    # -- the pieces of one iteration: updater (Eq. 9) and decider (Eq. 10) -------------------------------------------
     def _next_input(self, embeds, hidden, logits):
         """Input of the next depth for continuing tokens (flat (N, d) tensors)."""
         kind = self.config.updater
@@ -718,6 +602,9 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             return self.decider(embeds, hidden, logits)
         return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
 
+    def _needs_logits_for_decisions(self) -> bool:
+        return self.config.decider == "learned" or self.config.updater == "topk_embedding"
+
     def _unused_parameter_anchor(self) -> torch.Tensor:
         """0 · Σ p over the trainable updater/decider parameters, added to the training loss *inside* forward.
 
@@ -732,9 +619,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             return torch.zeros((), device=self.lm_head.weight.device)
         return 0.0 * sum(p.sum() for p in params)
 
-    def _needs_logits_for_decisions(self) -> bool:
-        return self.config.decider == "learned" or self.config.updater == "topk_embedding"
-
+    # -- running the backbone at one depth -----------------------------------------------------------------------------
     def _run_depth(self, streams, stream, x, pack, position_ids, token_index, seq_ids, mode, stream0_mask=None,
                    key_continue=None):
         """Run the whole backbone (and final norm) once, at stream `stream`, for the tokens `pack` selects."""
@@ -760,18 +645,144 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                            key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
             mask = additive_mask(visible[:, None], x.dtype)
         x_j = pack.gather(x)
-        view = _StreamView(streams, stream, key_streams, pack.rows, B)
+        view = StreamView(streams, stream, key_streams, pack.rows, B)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
         return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view))
 
-    @staticmethod
-    def _keep_positions(logits_to_keep, seq_len: int, device) -> torch.Tensor:
-        if isinstance(logits_to_keep, int):
-            start = 0 if logits_to_keep == 0 else max(seq_len - logits_to_keep, 0)
-            return torch.arange(start, seq_len, device=device)
-        if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 1:
-            return logits_to_keep.to(device)
-        raise ValueError("logits_to_keep must be an int or a 1-D tensor of positions")
+    # -- the named steps of `forward` ----------------------------------------------------------------------------------
+    def _loop_knobs(self, max_iterations, exit_threshold) -> tuple[int, float]:
+        """M and τ of this call (per-call overrides validated like the config fields)."""
+        cfg = self.config
+        M = cfg.max_iterations if max_iterations is None else max_iterations
+        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+            raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
+        tau = cfg.exit_threshold if exit_threshold is None else float(exit_threshold)
+        if not 0.0 < tau < 1.0:
+            raise ValueError(f"exit_threshold must be in the open interval (0, 1), got {exit_threshold!r}")
+        if M > 1 and cfg.updater == "learned" and self.updater is None:
+            raise ValueError("this checkpoint has no learned updater; max_iterations must be 1")
+        return M, tau
+
+    def _setup_loop(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, shift_labels,
+                    use_cache, logits_to_keep, max_iterations, exit_threshold, return_mixture_logits,
+                    return_loop_records) -> _LoopSetup:
+        """Embeddings, padding validity, RoPE positions, packed-document ids, the cache and this call's streams,
+        the supervised targets, and which positions' distributions to return."""
+        cfg = self.config
+        M, tau = self._loop_knobs(max_iterations, exit_threshold)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if return_loop_records and labels is None:
+            raise ValueError("return_loop_records needs labels")
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = embeds.shape
+        device = embeds.device
+        if use_cache is None:
+            use_cache = cfg.use_cache and not self.training
+        if cache is not None or use_cache:
+            cache = TaH2Cache.adopt(cache if cache is not None else DynamicCache(), cfg.num_hidden_layers)
+        past = cache.get_seq_length() if cache is not None else 0
+        if return_loop_records and past > 0:
+            raise ValueError("return_loop_records needs a full teacher-forced forward (no past cache)")
+
+        attention_mask = plain_attention_mask(attention_mask)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("TaH2 builds its own cross-iteration masks: pass a 2-D padding attention_mask (B, past+T)")
+        valid = attention_mask[:, -T:].bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool,
+                                                                                              device=device)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, past, T, device)
+        position_ids = position_ids.expand(B, T)
+        seq_ids = None
+        if attention_mask is None and past == 0 and T > 1 and bool((position_ids[:, 1:] == 0).any()):
+            seq_ids = sequence_ids_from_positions(position_ids)  # packed (padding-free) rows: documents stay apart
+
+        targets = None
+        if labels is not None:
+            # A padding position never runs, so it predicts nothing: with left padding the last pad's target (the first
+            # real token) is not supervised, and a padded batch's loss equals its rows run alone.
+            targets = shift_targets(labels, shift_labels).masked_fill(~valid, -100)
+        keep = keep_positions(logits_to_keep, T, device)
+        kept_slot = torch.full((T,), -1, dtype=torch.long, device=device)
+        kept_slot[keep] = torch.arange(keep.numel(), device=device)
+        # Ranks run the same number of depth passes whenever the call is part of a training objective (training, or an
+        # evaluation step that computes the lookahead): sharded wrappers and the lookahead's collectives need it.
+        # Plain inference (generate) stays rank-local.
+        synchronise = (
+            (self.training or return_loop_records) and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        )
+        return _LoopSetup(
+            max_iterations=M, exit_threshold=tau, embeds=embeds, valid=valid, attention_mask=attention_mask,
+            position_ids=position_ids, seq_ids=seq_ids, token_index=(torch.arange(T, device=device) + past).expand(B, T),
+            cache=cache, past=past,
+            streams=CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal")),
+            targets=targets, keep=keep, kept_slot=kept_slot,
+            full_logits=labels is None or return_mixture_logits or M == 1, synchronise=synchronise,
+            use_cache=bool(use_cache),
+        )
+
+    def _backbone_pass(self, run: _LoopSetup, depth: int, x: torch.Tensor, pack: _Packing) -> torch.Tensor:
+        """h(m) for the packed tokens. Depth 1 attends like Qwen3 (HF's own causal mask over stream 0)."""
+        stream0_mask = None
+        if depth == 1:
+            stream0_mask = create_causal_mask(config=self.config, inputs_embeds=run.embeds,
+                                              attention_mask=run.attention_mask,
+                                              cache=run.cache if run.past > 0 else None, position_ids=run.position_ids)
+        return self._run_depth(run.streams, depth - 1, x, pack, run.position_ids, run.token_index, run.seq_ids,
+                               self.config.iteration_attention, stream0_mask)
+
+    def _depth_step(self, run: _LoopSetup, depth: int, h: torch.Tensor, pack: _Packing) -> DepthStep:
+        """LM head and decider on the real tokens of depth m, and their decisions (continue iff g > τ, or sampled)."""
+        fb, ft, sel = pack.flat_tokens()
+        h_flat, e_flat = h[sel], run.embeds[fb, ft]
+        last = depth == run.max_iterations
+        kept = run.kept_slot[ft] >= 0
+        if run.targets is not None or (not last and self._needs_logits_for_decisions()):
+            z_flat = self.lm_head(h_flat)
+            z_kept = z_flat[kept] if run.full_logits else None
+        else:
+            z_flat, z_kept = None, self.lm_head(h_flat[kept])
+        if last:
+            logit, g, cont = None, torch.zeros(fb.shape, device=h.device), torch.zeros_like(fb, dtype=torch.bool)
+        else:
+            logit = self._continue_logit(e_flat, h_flat, z_flat)
+            g = torch.sigmoid(logit)
+            cont = torch.bernoulli(g.detach()).bool() if self.config.decision_mode == "sample" else g > run.exit_threshold
+        return DepthStep(depth=depth, last=last, batch_index=fb, time_index=ft, slots=sel, hidden=h_flat,
+                         embeds=e_flat, logits=z_flat, kept=kept, kept_logits=z_kept, continue_logit=logit,
+                         continue_prob=g, cont=cont)
+
+    def _advance(self, run: _LoopSetup, step: DepthStep, x: torch.Tensor) -> tuple[torch.Tensor, _Packing]:
+        """Updater inputs x(m+1) = U(e, h(m)) of the continuing tokens, and their packing for depth m + 1."""
+        c = step.cont
+        cb, ct = step.batch_index[c], step.time_index[c]
+        x_next = self._next_input(step.embeds[c], step.hidden[c], step.logits[c] if step.logits is not None else None)
+        x = x.index_put((cb, ct), x_next.to(x.dtype))
+        B, T = run.valid.shape
+        active = torch.zeros(B, T, dtype=torch.bool, device=x.device).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
+        return x, _Packing.of(active) or _Packing.placeholder(B, x.device)
+
+    def _accumulate(self, run: _LoopSetup, step: DepthStep, mixture: StoppingWeightedMixture, recorder) -> None:
+        """Add depth m to the mixture (the kept positions' distributions and/or log q[y]) and to the loop records."""
+        index = (step.batch_index, step.time_index)
+        log_w = mixture.log_weights(step)
+        if step.kept_logits is not None:
+            mixture.add_distribution((index[0][step.kept], run.kept_slot[index[1][step.kept]]), log_w[step.kept],
+                                     step.kept_logits)
+        if run.targets is not None:
+            logp_target = target_log_prob(step.logits, run.targets.clamp(min=0)[index])
+            mixture.add_target(index, log_w, logp_target)
+            if recorder is not None:
+                recorder.add(step, logp_target)
+
+    def _mixture_nll(self, mixture: StoppingWeightedMixture, targets, iter_counts, num_items_in_batch):
+        """(1/N) Σ_t −log q_t[y_t] over supervised tokens; N = `num_items_in_batch` (the Trainer's global count)."""
+        device = iter_counts.device
+        supervised = targets != -100
+        nll = -torch.where(supervised, mixture.target_log_probs(iter_counts), torch.zeros((), device=device)).sum()
+        n = supervised.sum() if num_items_in_batch is None else num_items_in_batch
+        return nll / torch.as_tensor(n, device=device).clamp(min=1)
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -802,205 +813,56 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
 
         `logits` are the mixture's log-probabilities (Qwen3's raw logits when M = 1).
         """
-        cfg = self.config
-        M = cfg.max_iterations if max_iterations is None else max_iterations
-        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-            raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
-        tau = cfg.exit_threshold if exit_threshold is None else float(exit_threshold)
-        if not 0.0 < tau < 1.0:
-            raise ValueError(f"exit_threshold must be in the open interval (0, 1), got {exit_threshold!r}")
-        if M > 1 and cfg.updater == "learned" and self.updater is None:
-            raise ValueError("this checkpoint has no learned updater; max_iterations must be 1")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if return_loop_records and labels is None:
-            raise ValueError("return_loop_records needs labels")
-
-        backbone = self.model
-        L = cfg.num_hidden_layers
-        embeds = backbone.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        B, T, _ = embeds.shape
-        device = embeds.device
-        if use_cache is None:
-            use_cache = cfg.use_cache and not self.training
-        if cache is not None or use_cache:
-            cache = TaH2Cache.adopt(cache if cache is not None else DynamicCache(), L)
-        past = cache.get_seq_length() if cache is not None else 0
-        if return_loop_records and past > 0:
-            raise ValueError("return_loop_records needs a full teacher-forced forward (no past cache)")
-
-        attention_mask = plain_attention_mask(attention_mask)
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("TaH2 builds its own cross-iteration masks: pass a 2-D padding attention_mask (B, past+T)")
-        if attention_mask is not None:
-            valid = attention_mask[:, -T:].bool()
-        else:
-            valid = torch.ones(B, T, dtype=torch.bool, device=device)
-        if position_ids is None:
-            position_ids = positions_from_mask(attention_mask, past, T, device)
-        position_ids = position_ids.expand(B, T)
-        seq_ids = None
-        if attention_mask is None and past == 0 and T > 1 and bool((position_ids[:, 1:] == 0).any()):
-            seq_ids = sequence_ids_from_positions(position_ids)  # packed (padding-free) rows: documents stay apart
-
-        mode = cfg.iteration_attention
-        streams = _CallStreams(cache, L, persist_deeper=(mode != "causal"))
-        token_index = (torch.arange(T, device=device) + past).expand(B, T)
-
-        # What to produce: full-vocabulary mixture at the kept positions, and/or log q_t[y_t] for the loss.
-        targets = shift_targets(labels, kwargs.pop("shift_labels", None)) if labels is not None else None
-        if targets is not None:
-            # A padding position never runs, so it predicts nothing: with left padding the last pad's target (the first
-            # real token) is not supervised, and a padded batch's loss equals its rows run alone.
-            targets = targets.masked_fill(~valid, -100)
-        full_logits = labels is None or return_mixture_logits or M == 1
-        keep = self._keep_positions(logits_to_keep, T, device)
-        kept_slot = torch.full((T,), -1, dtype=torch.long, device=device)
-        kept_slot[keep] = torch.arange(keep.numel(), device=device)
-        safe_targets = targets.clamp(min=0) if targets is not None else None
-
-        x = embeds
-        remaining = torch.ones(B, T, dtype=torch.float32, device=device)  # R = Π_{j<m} g(j)
+        run = self._setup_loop(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                               kwargs.pop("shift_labels", None), use_cache, logits_to_keep, max_iterations,
+                               exit_threshold, return_mixture_logits, return_loop_records)
+        M, (B, T, _), device = run.max_iterations, run.embeds.shape, run.embeds.device
+        mixture = StoppingWeightedMixture(self.config.mixture, B, T, run.keep.numel(), device)
+        recorder = _LoopRecorder(run.embeds) if return_loop_records else None
         iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
         continue_probs = torch.full((B, T, max(M - 1, 0)), float("nan"), device=device)
-        log_mix = None  # (B, K, V) fp32
-        log_mix_target = None  # (B, T) fp32: log q_t[y_t]
-        raw_logits = None
-        iteration_hidden, rows_per_depth = [], []
-        rec = {"executed": [], "token_logprob": [], "decider_logits": [], "hidden": []}
+        iteration_hidden, rows_per_depth, raw_logits = [], [], None
 
-        # Ranks run the same number of depth passes whenever the call is part of a training objective (training, or an
-        # evaluation step that computes the lookahead): sharded wrappers and the lookahead's collectives need it.
-        # Plain inference (generate) stays rank-local.
-        synchronise = (
-            (self.training or return_loop_records) and torch.distributed.is_available()
-            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        )
-        pack = _Packing.everything(valid)
+        x, pack = run.embeds, _Packing.everything(run.valid)
         for depth in range(1, M + 1):
-            j = depth - 1
-            stream0_mask = None
-            if j == 0:
-                stream0_mask = create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=attention_mask,
-                                                  cache=cache if past > 0 else None, position_ids=position_ids)
-            h = self._run_depth(streams, j, x, pack, position_ids, token_index, seq_ids, mode, stream0_mask)
+            h = self._backbone_pass(run, depth, x, pack)
             rows_per_depth.append(int(h.shape[0] * h.shape[1]))
             if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
-                raw_logits = self.lm_head(h[:, keep])
-                iter_counts = valid.long()
-                if output_hidden_states:
-                    iteration_hidden.append(h)
+                raw_logits, iter_counts = self.lm_head(h[:, run.keep]), run.valid.long()
+                iteration_hidden.append(h)
                 break
-
-            # Everything below is per real token of this depth.
-            fb, ft, sel = pack.flat_tokens()
-            h_flat, e_flat = h[sel], embeds[fb, ft]
-            iter_counts = iter_counts.index_put((fb, ft), torch.full_like(fb, depth))
+            step = self._depth_step(run, depth, h, pack)
+            index = (step.batch_index, step.time_index)
+            iter_counts = iter_counts.index_put(index, torch.full_like(index[0], depth))
             if output_hidden_states:
-                iteration_hidden.append(torch.zeros_like(embeds).index_put((fb, ft), h_flat))
-            last = depth == M
-            kept_here = kept_slot[ft] >= 0
-            if targets is not None or (not last and self._needs_logits_for_decisions()):
-                z_flat = self.lm_head(h_flat)
-                z_kept = z_flat[kept_here] if full_logits else None
-            else:
-                z_flat, z_kept = None, self.lm_head(h_flat[kept_here])
-
-            if last:
-                logit = None
-                g = torch.zeros(fb.shape, device=device)
-                cont = torch.zeros_like(fb, dtype=torch.bool)
-            else:
-                logit = self._continue_logit(e_flat, h_flat, z_flat)
-                g = torch.sigmoid(logit)
-                continue_probs = continue_probs.index_put((fb, ft, torch.full_like(fb, j)), g.detach())
-                if cfg.decision_mode == "sample":
-                    cont = torch.bernoulli(g.detach()).bool()
-                else:
-                    cont = g > tau
-
-            # Stopping-weighted mixture (Eq. 4) in fp32 log space: ω = R(1−g) for a continuing token, R for a stopping one.
-            if cfg.mixture == "stop_prob":
-                r = remaining[fb, ft]
-                log_w = torch.log(torch.where(cont, r * (1.0 - g), r).clamp(min=1e-10))
-                remaining = remaining.index_put((fb, ft), torch.where(cont, r * g, r))
-            else:
-                log_w = torch.zeros_like(g)
-
-            def accumulate(buffer, index, term):
-                if cfg.mixture == "final":
-                    return buffer.index_put(index, term)
-                return buffer.index_put(index, torch.logaddexp(buffer[index], term))
-
-            if z_kept is not None:
-                logp = torch.log_softmax(z_kept.float(), dim=-1)
-                if log_mix is None:
-                    log_mix = torch.full((B, keep.numel(), logp.shape[-1]), float("-inf"), device=device)
-                kb, kt = fb[kept_here], kept_slot[ft[kept_here]]
-                log_mix = accumulate(log_mix, (kb, kt), log_w[kept_here, None] + logp)
-            if targets is not None:
-                zf = z_flat.float()
-                logp_target = zf.gather(-1, safe_targets[fb, ft, None]).squeeze(-1) - torch.logsumexp(zf, -1)
-                if log_mix_target is None:
-                    log_mix_target = torch.full((B, T), float("-inf"), device=device)
-                log_mix_target = accumulate(log_mix_target, (fb, ft), log_w + logp_target)
-                if return_loop_records:
-                    executed = torch.zeros(B, T, dtype=torch.bool, device=device).index_put(
-                        (fb, ft), torch.ones_like(fb, dtype=torch.bool))
-                    rec["executed"].append(executed)
-                    rec["token_logprob"].append(torch.zeros(B, T, device=device).index_put((fb, ft), logp_target.detach()))
-                    rec["hidden"].append(torch.zeros_like(embeds).index_put((fb, ft), h_flat.detach()))
-                    if logit is not None:
-                        rec["decider_logits"].append(torch.zeros(B, T, device=device).index_put((fb, ft), logit))
-
-            if last or not _any_on_any_rank(bool(cont.any()), synchronise):
+                iteration_hidden.append(torch.zeros_like(run.embeds).index_put(index, step.hidden))
+            if not step.last:
+                continue_probs = continue_probs.index_put(index + (torch.full_like(index[0], depth - 1),),
+                                                          step.continue_prob.detach())
+            self._accumulate(run, step, mixture, recorder)
+            if step.last or not _any_on_any_rank(bool(step.cont.any()), run.synchronise):
                 break
-            cb, ct = fb[cont], ft[cont]
-            x_next = self._next_input(e_flat[cont], h_flat[cont], z_flat[cont] if z_flat is not None else None)
-            x = x.index_put((cb, ct), x_next.to(x.dtype))
-            pack = _Packing.of(torch.zeros(B, T, dtype=torch.bool, device=device).index_put(
-                (cb, ct), torch.ones_like(cb, dtype=torch.bool))) or _Packing.placeholder(B, device)
+            x, pack = self._advance(run, step, x)
+        run.streams.commit(iter_counts)
 
-        streams.commit(iter_counts)
-
-        logits = None
-        if M == 1:
-            logits = raw_logits
-        elif log_mix is not None:
-            depth_kept = iter_counts[:, keep]
-            logits = log_mix
-            if cfg.mixture == "even":
-                logits = logits - torch.log(depth_kept.clamp(min=1).float())[..., None]
-            # Padding never ran: give it a finite (zero) row so losses that ignore it stay NaN-free.
-            logits = torch.where(depth_kept[..., None] > 0, logits, torch.zeros((), device=device))
-
+        logits = raw_logits if M == 1 else mixture.log_probs(iter_counts[:, run.keep])
         loss = None
         if labels is not None:
             if M == 1:
-                loss = self.loss_function(logits=logits, labels=None, shift_labels=targets, vocab_size=cfg.vocab_size,
-                                          **kwargs)
+                loss = self.loss_function(logits=logits, labels=None, shift_labels=run.targets,
+                                          vocab_size=self.config.vocab_size, **kwargs)
             else:
-                if cfg.mixture == "even":
-                    log_mix_target = log_mix_target - torch.log(iter_counts.clamp(min=1).float())
-                supervised = targets != -100
-                nll = -torch.where(supervised, log_mix_target, torch.zeros((), device=device)).sum()
-                n = kwargs.get("num_items_in_batch")
-                n = supervised.sum() if n is None else n
-                loss = nll / torch.as_tensor(n, device=device).clamp(min=1)
-
-        if loss is not None and self.training:
-            loss = loss + self._unused_parameter_anchor()
-
+                loss = self._mixture_nll(mixture, run.targets, iter_counts, kwargs.get("num_items_in_batch"))
+            if self.training:
+                loss = loss + self._unused_parameter_anchor()
         records = None
-        if return_loop_records:
-            records = TaH2LoopRecords(
-                embeds=embeds.detach(), targets=targets, position_ids=position_ids, seq_ids=seq_ids,
-                streams=streams, max_iterations=M, synchronised=synchronise, **rec,
-            )
+        if recorder is not None:
+            records = recorder.records(targets=run.targets, position_ids=run.position_ids, seq_ids=run.seq_ids,
+                                       streams=run.streams, max_iterations=M, synchronised=run.synchronise)
         return TaH2CausalLMOutput(
             loss=loss,
             logits=logits,
-            cache=cache if use_cache else None,
+            cache=run.cache if run.use_cache else None,
             iter_counts=iter_counts,
             continue_probs=continue_probs,
             iteration_hidden_states=tuple(iteration_hidden) if output_hidden_states else None,
@@ -1034,11 +896,22 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             e, h = records.embeds[fb, ft], records.hidden[m - 1][fb, ft]
             z_prev = self.lm_head(h) if self.config.updater == "topk_embedding" else None
             x = torch.zeros_like(records.embeds).index_put((fb, ft), self._next_input(e, h, z_prev).to(e.dtype))
-            look = _CallStreams(None, self.config.num_hidden_layers, persist_deeper=True)
+            look = CallStreams(None, self.config.num_hidden_layers, persist_deeper=True)
             look.share_streams(records.streams, list(range(m)))
             h_look = self._run_depth(look, m, x, pack, records.position_ids, token_index, records.seq_ids,
                                      "duo_posterior", key_continue=continued)
-            z = self.lm_head(h_look[sel]).float()
-            logp = z.gather(-1, safe_targets[fb, ft, None]).squeeze(-1) - torch.logsumexp(z, -1)
+            logp = target_log_prob(self.lm_head(h_look[sel]), safe_targets[fb, ft])
             out.append(torch.zeros(B, T, device=device).index_put((fb, ft), logp))
         return out
+
+
+__all__ = [
+    "TaH2CausalLMOutput",
+    "TaH2Decider",
+    "TaH2ForCausalLM",
+    "TaH2LoopRecords",
+    "TaH2Model",
+    "TaH2PreTrainedModel",
+    "TaH2Updater",
+    "iteration_visibility",
+]
