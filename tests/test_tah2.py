@@ -531,3 +531,46 @@ def test_bf16_conversion_keeps_rope_in_fp32_and_matches_qwen3_bf16(tmp_path):
     ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(21))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# output_hidden_states / output_attentions (transformers conventions)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_output_hidden_states_match_qwen3_per_layer_and_give_every_depth(M):
+    q = tiny_qwen3(0)
+    m = convert_qwen3(q, "tah2", max_iterations=M).eval()
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        ref = q(ids, attention_mask=mask, output_hidden_states=True)
+        out = m(ids, attention_mask=mask, output_hidden_states=True)
+        plain = m(ids, attention_mask=mask)
+    assert len(out.hidden_states) == len(ref.hidden_states) == q.config.num_hidden_layers + 1
+    for a, b in zip(out.hidden_states, ref.hidden_states):
+        torch.testing.assert_close(a, b)
+    assert len(out.iteration_hidden_states) == int(out.iter_counts.max())
+    assert plain.hidden_states is None and plain.iteration_hidden_states is None
+    with torch.no_grad():
+        base = m.model(ids, attention_mask=mask, output_hidden_states=True)
+    for a, b in zip(base.hidden_states, ref.hidden_states):
+        torch.testing.assert_close(a, b)
+
+
+def test_output_attentions_eager_returns_qwen3_weights_and_sdpa_raises():
+    q = tiny_qwen3(0)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    m = convert_qwen3(q, "tah2", max_iterations=2).eval()
+    with pytest.raises(ValueError, match="output_attentions=True needs attn_implementation='eager'"):
+        m(ids, output_attentions=True)
+    q.config._attn_implementation = "eager"
+    m.config._attn_implementation = "eager"
+    with torch.no_grad():
+        ref = q(ids, output_attentions=True)
+        out = m(ids, output_attentions=True)
+    assert len(out.attentions) == q.config.num_hidden_layers
+    for a, b in zip(out.attentions, ref.attentions):
+        torch.testing.assert_close(a, b)

@@ -16,6 +16,7 @@ This file ships as Hub remote code: it imports only torch, transformers and its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -416,6 +417,41 @@ class _LoopSetup:
     use_cache: bool  # return the cache
 
 
+class LayerCollector:
+    """Per-layer outputs of one backbone pass for `output_hidden_states` / `output_attentions`, in Qwen3's convention:
+    hidden states = (embeddings, output of layer 1, …, output of layer L−1, final-normed output of layer L); attention
+    weights (B, H, T, S) per layer, which only the eager path computes (sdpa never returns them)."""
+
+    def __init__(self, want_hidden: bool, want_attentions: bool):
+        self.want_hidden = want_hidden
+        self.hidden: list = []
+        self.attentions: list | None = [] if want_attentions else None
+
+    @classmethod
+    def requested(cls, config, output_hidden_states, output_attentions) -> "LayerCollector | None":
+        want_hidden = bool(config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+        want_attn = bool(config.output_attentions if output_attentions is None else output_attentions)
+        if want_attn and config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions=True needs attn_implementation='eager' (got {config._attn_implementation!r}, which "
+                "never returns attention weights); load with attn_implementation='eager', or use "
+                "hf_loops.analysis.capture_trace"
+            )
+        return cls(want_hidden, want_attn) if want_hidden or want_attn else None
+
+    @contextlib.contextmanager
+    def attention_weights_of(self, layer):
+        """Record the weights the layer's eager attention returns (the decoder layer itself drops them)."""
+        handle = layer.self_attn.register_forward_hook(lambda _m, _i, out: self.attentions.append(out[1]))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def hidden_states(self, final_normed: torch.Tensor) -> tuple:
+        return tuple(self.hidden) + (final_normed,)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------------
@@ -429,6 +465,9 @@ class TaH2CausalLMOutput(ModelOutput):
         `max_iterations == 1` the raw Qwen3 logits (same distribution, bit-exact with Qwen3).
     iter_counts: (B, T) executed depth m_t of every token (0 for padding).
     continue_probs: (B, T, M−1) decider continue probability g after each depth, NaN where not executed.
+    hidden_states: with `output_hidden_states=True`, the depth-1 pass per layer, as Qwen3 returns them (embeddings,
+        outputs of layers 1..L−1, final-normed output).
+    attentions: with `output_attentions=True` (eager attention), the depth-1 pass's weights per layer.
     iteration_hidden_states: per depth, (B, T, d) final-normed hidden states h(m) (zeros where not executed); only
         with `output_hidden_states=True`.
     rows_per_depth: number of token rows the backbone computed at each depth (packing: equals the active tokens).
@@ -497,10 +536,14 @@ class TaH2Model(TaH2PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache):
-        """One pass of all decoder layers (no final norm) with `cache` as the layers' cache object."""
+    def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect=None):
+        """One pass of all decoder layers (no final norm) with `cache` as the layers' cache object.
+
+        `collect` (optional `LayerCollector`) records each layer's input and, under eager attention, its weights."""
         checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
+            if collect is not None:
+                collect.hidden.append(hidden)
             call = functools.partial(
                 layer.__call__,
                 attention_mask=attention_mask,
@@ -509,7 +552,11 @@ class TaH2Model(TaH2PreTrainedModel):
                 use_cache=cache is not None,
                 position_embeddings=position_embeddings,
             )
-            hidden = self._gradient_checkpointing_func(call, hidden) if checkpoint else call(hidden)
+            if collect is not None and collect.attentions is not None:
+                with collect.attention_weights_of(layer):
+                    hidden = call(hidden)
+            else:
+                hidden = self._gradient_checkpointing_func(call, hidden) if checkpoint else call(hidden)
         return hidden
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -521,6 +568,8 @@ class TaH2Model(TaH2PreTrainedModel):
         cache=None,
         inputs_embeds=None,
         use_cache=None,
+        output_hidden_states=None,
+        output_attentions=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
@@ -542,8 +591,15 @@ class TaH2Model(TaH2PreTrainedModel):
             position_ids=position_ids,
         )
         pos_emb = self.rotary_emb(inputs_embeds, position_ids)
-        hidden = self.run_layers(inputs_embeds, mask, position_ids, pos_emb, cache if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache if use_cache else None)
+        collect = LayerCollector.requested(self.config, output_hidden_states, output_attentions)
+        hidden = self.norm(self.run_layers(inputs_embeds, mask, position_ids, pos_emb, cache if use_cache else None,
+                                           collect))
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            cache=cache if use_cache else None,
+            hidden_states=collect.hidden_states(hidden) if collect is not None and collect.want_hidden else None,
+            attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
+        )
 
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
@@ -621,7 +677,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
 
     # -- running the backbone at one depth -----------------------------------------------------------------------------
     def _run_depth(self, streams, stream, x, pack, position_ids, token_index, seq_ids, mode, stream0_mask=None,
-                   key_continue=None):
+                   key_continue=None, collect=None):
         """Run the whole backbone (and final norm) once, at stream `stream`, for the tokens `pack` selects."""
         backbone = self.model
         B = x.shape[0]
@@ -647,7 +703,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         x_j = pack.gather(x)
         view = StreamView(streams, stream, key_streams, pack.rows, B)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
-        return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view))
+        return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view, collect))
 
     # -- the named steps of `forward` ----------------------------------------------------------------------------------
     def _loop_knobs(self, max_iterations, exit_threshold) -> tuple[int, float]:
@@ -722,15 +778,16 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             use_cache=bool(use_cache),
         )
 
-    def _backbone_pass(self, run: _LoopSetup, depth: int, x: torch.Tensor, pack: _Packing) -> torch.Tensor:
-        """h(m) for the packed tokens. Depth 1 attends like Qwen3 (HF's own causal mask over stream 0)."""
+    def _backbone_pass(self, run: _LoopSetup, depth: int, x: torch.Tensor, pack: _Packing, collect=None):
+        """h(m) for the packed tokens. Depth 1 attends like Qwen3 (HF's own causal mask over stream 0); its per-layer
+        states go to `collect` (`output_hidden_states` / `output_attentions`)."""
         stream0_mask = None
         if depth == 1:
             stream0_mask = create_causal_mask(config=self.config, inputs_embeds=run.embeds,
                                               attention_mask=run.attention_mask,
                                               cache=run.cache if run.past > 0 else None, position_ids=run.position_ids)
         return self._run_depth(run.streams, depth - 1, x, pack, run.position_ids, run.token_index, run.seq_ids,
-                               self.config.iteration_attention, stream0_mask)
+                               self.config.iteration_attention, stream0_mask, collect=collect if depth == 1 else None)
 
     def _depth_step(self, run: _LoopSetup, depth: int, h: torch.Tensor, pack: _Packing) -> DepthStep:
         """LM head and decider on the real tokens of depth m, and their decisions (continue iff g > τ, or sampled)."""
@@ -799,6 +856,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         max_iterations: int | None = None,
         exit_threshold: float | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_mixture_logits: bool = False,
         return_loop_records: bool = False,
         **kwargs,
@@ -810,6 +868,10 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             default in training: the loss only needs log q_t[y_t]).
         return_loop_records (`bool`): return `TaH2LoopRecords` (per-depth losses, decider logits) for lookahead
             supervision; needs `labels`.
+        output_hidden_states (`bool`): `hidden_states` = the depth-1 pass's per-layer states (Qwen3's convention,
+            so M = 1 matches Qwen3) and `iteration_hidden_states` = h(m) of every depth.
+        output_attentions (`bool`): `attentions` = the depth-1 pass's per-layer weights (eager attention only; every
+            depth's attention, with its cross-iteration keys, comes from `hf_loops.analysis.capture_trace`).
 
         `logits` are the mixture's log-probabilities (Qwen3's raw logits when M = 1).
         """
@@ -821,11 +883,14 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         recorder = _LoopRecorder(run.embeds) if return_loop_records else None
         iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
         continue_probs = torch.full((B, T, max(M - 1, 0)), float("nan"), device=device)
-        iteration_hidden, rows_per_depth, raw_logits = [], [], None
+        iteration_hidden, rows_per_depth, raw_logits, first_pass = [], [], None, None
 
+        collect = LayerCollector.requested(self.config, output_hidden_states, output_attentions)
+        output_hidden_states = collect is not None and collect.want_hidden
         x, pack = run.embeds, _Packing.everything(run.valid)
         for depth in range(1, M + 1):
-            h = self._backbone_pass(run, depth, x, pack)
+            h = self._backbone_pass(run, depth, x, pack, collect)
+            first_pass = h if depth == 1 else first_pass
             rows_per_depth.append(int(h.shape[0] * h.shape[1]))
             if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
                 raw_logits, iter_counts = self.lm_head(h[:, run.keep]), run.valid.long()
@@ -865,6 +930,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             cache=run.cache if run.use_cache else None,
             iter_counts=iter_counts,
             continue_probs=continue_probs,
+            hidden_states=collect.hidden_states(first_pass) if output_hidden_states else None,
+            attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
             iteration_hidden_states=tuple(iteration_hidden) if output_hidden_states else None,
             rows_per_depth=tuple(rows_per_depth),
             loop_records=records,
