@@ -7,25 +7,15 @@ often); the growth fields drive `SGTGrowthCallback` (Algorithm 1) during trainin
 
 from __future__ import annotations
 
+from typing import Literal
+
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-HEAD_DECAYS = ("linear", "cosine")
-ENTROPY_ESTIMATORS = ("last_row", "sampled_rows")
-LOOP_MODES = ("heads", "block")
+from .loop_utils import check_choice_fields, check_int_field
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"SGTConfig.{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"SGTConfig.{name} must be one of {list(allowed)}, got {value!r}")
 
 
 def _check_layer_list(name: str, value, num_layers: int) -> list[int]:
@@ -126,7 +116,7 @@ class SGTConfig(Qwen3Config):
     model_type = "sgt"
 
     loop_plan: list | dict | None = None
-    loop_mode: str = "heads"
+    loop_mode: Literal["heads", "block"] = "heads"
     block_loop_layers: list | None = None
     block_loop_depth: int = 1
     growth_start: int = 250
@@ -137,26 +127,31 @@ class SGTConfig(Qwen3Config):
     max_loop_depth: int = 1
     entropy_ema: float = 0.5
     growth_exclude_layers: list | None = None
-    head_decay: str = "linear"
+    head_decay: Literal["linear", "cosine"] = "linear"
     head_keep_schedule: list | None = None
-    entropy_estimator: str = "last_row"
+    entropy_estimator: Literal["last_row", "sampled_rows"] = "last_row"
     entropy_sample_rows: int = 8
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        self.check_loop_fields()
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`from_pretrained(..., loop_plan=...)` sets load-time values after `__init__`: validate them too."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).check_loop_fields()
+        return result
+
+    def check_loop_fields(self) -> None:
+        """Validate (and canonicalise) every SGT field; ValueError naming the field."""
         num_layers, num_heads = self.num_hidden_layers, self.num_attention_heads
-        _check_choice("loop_mode", self.loop_mode, LOOP_MODES)
-        _check_choice("head_decay", self.head_decay, HEAD_DECAYS)
-        _check_choice("entropy_estimator", self.entropy_estimator, ENTROPY_ESTIMATORS)
+        check_choice_fields(self)
         for name in ("growth_start", "growth_window", "growth_top_layers", "growth_max_layers", "max_loop_depth",
                      "entropy_sample_rows"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("block_loop_depth", self.block_loop_depth, 0)
-        if not _is_int(self.heads_per_layer) or not 1 <= self.heads_per_layer <= num_heads:
-            raise ValueError(
-                f"SGTConfig.heads_per_layer must be an integer in [1, {num_heads}] (num_attention_heads), "
-                f"got {self.heads_per_layer!r}"
-            )
+            check_int_field(self, name, 1)
+        check_int_field(self, "block_loop_depth", 0)
+        check_int_field(self, "heads_per_layer", 1, num_heads)
         if isinstance(self.entropy_ema, bool) or not isinstance(self.entropy_ema, (int, float)) \
                 or not 0.0 <= float(self.entropy_ema) < 1.0:
             raise ValueError(f"SGTConfig.entropy_ema must be a float in [0, 1), got {self.entropy_ema!r}")

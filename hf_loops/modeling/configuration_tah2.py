@@ -6,13 +6,11 @@ conversion is a key-preserving load plus fresh updater/decider modules.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-ITERATION_ATTENTION_MODES = ("duo", "causal", "same_iter")
-MIXTURES = ("stop_prob", "even", "final")
-UPDATERS = ("learned", "identity", "hidden", "topk_embedding")
-DECIDERS = ("learned", "always", "never")
-DECISION_MODES = ("threshold", "sample")
+from .loop_utils import check_choice_fields, check_int_field, literal_choices
 
 # Baselines of the paper expressed as configurations (README "Baselines").
 TAH2_PRESETS: dict[str, dict] = {
@@ -25,16 +23,6 @@ TAH2_PRESETS: dict[str, dict] = {
     # Ouro-style: the hidden state is passed straight on, one KV stream per iteration, no decider, even mixture.
     "ouro": {"iteration_attention": "same_iter", "updater": "hidden", "decider": "always", "mixture": "even"},
 }
-
-
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"TaH2Config.{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"TaH2Config.{name} must be an integer >= 1, got {value!r}")
 
 
 class TaH2Config(Qwen3Config):
@@ -66,45 +54,57 @@ class TaH2Config(Qwen3Config):
 
     max_iterations: int = 2
     exit_threshold: float = 0.5
-    iteration_attention: str = "duo"
-    decision_mode: str = "threshold"
-    mixture: str = "stop_prob"
-    updater: str = "learned"
+    iteration_attention: Literal["duo", "causal", "same_iter"] = "duo"
+    decision_mode: Literal["threshold", "sample"] = "threshold"
+    mixture: Literal["stop_prob", "even", "final"] = "stop_prob"
+    updater: Literal["learned", "identity", "hidden", "topk_embedding"] = "learned"
     updater_intermediate_size: int | None = None
     updater_norm_pre_mlp: bool = True
     updater_norm_out: bool = True
     updater_topk: int = 100
-    decider: str = "learned"
+    decider: Literal["learned", "always", "never"] = "learned"
     decider_intermediate_size: int | None = None
     decider_topk: int | None = None
 
     def __post_init__(self, **kwargs):
-        _check_positive_int("max_iterations", self.max_iterations)
-        if isinstance(self.exit_threshold, bool) or not isinstance(self.exit_threshold, (int, float)):
-            raise ValueError(f"TaH2Config.exit_threshold must be a float in (0, 1), got {self.exit_threshold!r}")
-        if not 0.0 < float(self.exit_threshold) < 1.0:
-            raise ValueError(f"TaH2Config.exit_threshold must be in the open interval (0, 1), got {self.exit_threshold}")
-        self.exit_threshold = float(self.exit_threshold)
-        _check_choice("iteration_attention", self.iteration_attention, ITERATION_ATTENTION_MODES)
-        _check_choice("decision_mode", self.decision_mode, DECISION_MODES)
-        _check_choice("mixture", self.mixture, MIXTURES)
-        _check_choice("updater", self.updater, UPDATERS)
-        _check_choice("decider", self.decider, DECIDERS)
         if self.updater_intermediate_size is None:
             self.updater_intermediate_size = self.hidden_size
         if self.decider_intermediate_size is None:
             self.decider_intermediate_size = self.hidden_size
         if self.decider_topk is None:
             self.decider_topk = self.hidden_size
-        _check_positive_int("updater_intermediate_size", self.updater_intermediate_size)
-        _check_positive_int("decider_intermediate_size", self.decider_intermediate_size)
-        _check_positive_int("decider_topk", self.decider_topk)
-        _check_positive_int("updater_topk", self.updater_topk)
-        for name in ("updater_norm_pre_mlp", "updater_norm_out"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"TaH2Config.{name} must be a bool, got {getattr(self, name)!r}")
+        self.check_loop_fields()
+        self.exit_threshold = float(self.exit_threshold)
         super().__post_init__(**kwargs)
         if self.use_sliding_window:
             raise ValueError(
                 "TaH2Config.use_sliding_window must be False: cross-iteration (duo) masks are built for full attention"
             )
+
+    def check_loop_fields(self) -> None:
+        """Validate every TaH2 field (ValueError naming the field); also run on values given at load time."""
+        check_int_field(self, "max_iterations", 1)
+        if isinstance(self.exit_threshold, bool) or not isinstance(self.exit_threshold, (int, float)):
+            raise ValueError(f"TaH2Config.exit_threshold must be a float in (0, 1), got {self.exit_threshold!r}")
+        if not 0.0 < float(self.exit_threshold) < 1.0:
+            raise ValueError(f"TaH2Config.exit_threshold must be in the open interval (0, 1), got {self.exit_threshold}")
+        check_choice_fields(self)
+        for name in ("updater_intermediate_size", "decider_intermediate_size", "decider_topk", "updater_topk"):
+            check_int_field(self, name, 1)
+        for name in ("updater_norm_pre_mlp", "updater_norm_out"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TaH2Config.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`from_pretrained(..., exit_threshold=2.0)` sets load-time values after `__init__`: validate them too."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).check_loop_fields()
+        return result
+
+
+ITERATION_ATTENTION_MODES = literal_choices(TaH2Config, "iteration_attention")
+MIXTURES = literal_choices(TaH2Config, "mixture")
+UPDATERS = literal_choices(TaH2Config, "updater")
+DECIDERS = literal_choices(TaH2Config, "decider")
+DECISION_MODES = literal_choices(TaH2Config, "decision_mode")

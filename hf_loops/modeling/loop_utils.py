@@ -11,6 +11,11 @@ This file ships as Hub remote code next to the modeling files: it imports only t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import sys
+import typing
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -79,3 +84,86 @@ def sequence_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     starts = (position_ids == 0).long()
     starts[:, 0] = 1
     return starts.cumsum(-1) - 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Configuration checks shared by the three configs: one rule, one message shape ("Config.field must be …, got …").
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def literal_choices(config_class, field: str) -> tuple:
+    """Allowed values of a `Literal[...]`-annotated config field (the annotation is the one source of the choices)."""
+    for klass in config_class.__mro__:
+        annotation = klass.__dict__.get("__annotations__", {}).get(field)
+        if annotation is None:
+            continue
+        if isinstance(annotation, str):  # `from __future__ import annotations`
+            annotation = eval(annotation, vars(sys.modules[klass.__module__]))  # noqa: S307 - our own annotation
+        if typing.get_origin(annotation) is typing.Literal:
+            return typing.get_args(annotation)
+        break
+    raise TypeError(f"{config_class.__name__}.{field} is not a Literal-typed field")
+
+
+def literal_fields(config_class) -> list[str]:
+    """Names of the Literal-typed fields a config class declares itself (not Qwen3's)."""
+    names = []
+    for klass in config_class.__mro__:
+        if klass.__module__.startswith("transformers."):
+            break
+        for name, annotation in klass.__dict__.get("__annotations__", {}).items():
+            text = annotation if isinstance(annotation, str) else repr(annotation)
+            if "Literal[" in text and name not in names:
+                names.append(name)
+    return names
+
+
+def check_choice_fields(config) -> None:
+    """Every Literal-typed field of `config` holds one of its allowed values."""
+    cls = type(config)
+    for name in literal_fields(cls):
+        allowed = literal_choices(cls, name)
+        value = getattr(config, name)
+        if value not in allowed:
+            raise ValueError(f"{cls.__name__}.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def check_int_field(config, name: str, minimum: int, maximum: int | None = None) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{type(config).__name__}.{name} must be an integer {bound}, got {value!r}")
+
+
+def closest_name(name: str, candidates) -> str | None:
+    """The valid name a misspelt key most likely meant (None if nothing is close)."""
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def config_field_names(config_class) -> set[str]:
+    """Every declared field of a config class (its own, Qwen3's and PreTrainedConfig's) and their aliases."""
+    names = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    for klass in config_class.__mro__:
+        names.update(klass.__dict__.get("__annotations__", {}))
+        names.update(getattr(klass, "attribute_map", {}) or {})
+    return {n for n in names if not n.startswith("_")}
+
+
+def check_known_keys(config_class, overrides: dict, what: str = "config field") -> None:
+    """Unknown keys are errors naming the closest valid one (`max_iteration` → "did you mean max_iterations?").
+
+    A key that is not a declared field is still known when the config consumes it (a legacy spelling such as Qwen3's
+    `rope_theta`, folded into `rope_parameters`); anything the config would only store verbatim is unknown."""
+    valid = config_field_names(config_class)
+    for key, value in overrides.items():
+        if key in valid:
+            continue
+        try:
+            consumed = key not in vars(config_class(**{key: value}))
+        except (TypeError, ValueError):
+            consumed = False
+        if not consumed:
+            guess = closest_name(key, valid)
+            hint = f"; did you mean {guess}?" if guess else ""
+            raise ValueError(f"unknown {config_class.__name__} {what} {key!r}{hint}")
