@@ -57,3 +57,21 @@ def test_unknown_keys_suggest_the_closest_field():
         check_known_keys(TaH2Config, {"zzz_qq": 1})
     # declared fields, Qwen3's, and a legacy spelling the config consumes: no error
     check_known_keys(TaH2Config, {"max_iterations": 3, "rope_theta": 1e6, "hidden_size": 64, "mixture": "even"})
+
+
+def test_training_exports_the_public_names():
+    from hf_loops.training import (
+        SGTGrowthCallback,
+        SGTGrowthScheduler,
+        TaH2SFTConfig,
+        TaH2SFTTrainer,
+        compute_depth_labels,
+    )
+
+    assert TaH2SFTTrainer.__name__ == "TaH2SFTTrainer" and TaH2SFTConfig.__name__ == "TaH2SFTConfig"
+    assert SGTGrowthCallback.__name__ == "SGTGrowthCallback" and SGTGrowthScheduler.__name__ == "SGTGrowthScheduler"
+    assert callable(compute_depth_labels)
+    import hf_loops.training as training
+
+    with pytest.raises(AttributeError):
+        training.NoSuchThing  # noqa: B018
