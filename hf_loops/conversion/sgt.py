@@ -7,10 +7,11 @@ from the source model's attention entropies on calibration text:
    (`SGTModel.set_entropy_statistics`, the same statistic the growth callback uses: normalised entropy of the
    last valid query row per sequence, or sampled rows with `entropy_estimator="sampled_rows"`);
 2. per layer, mean entropy over sequences → per-head ê_h; layer score = mean over heads;
-3. Algorithm 1 with these (constant) entropies: Top = the `growth_top_layers` highest-scoring layers outside
-   `growth_exclude_layers`; SELECT the deepest of Top, then keep selecting the deepest remaining Top layer that is
-   not deeper than every selected one (deep-to-shallow), until `growth_max_layers` are selected. With constant
-   entropies "deepen before widening" takes every selected layer to `max_loop_depth`, so depth = K_max;
+3. Algorithm 1 with these (constant) entropies, through the scheduler's own selection rules
+   (`hf_loops.training.sgt_selection`, one tie rule: the deeper layer first): Top = the `growth_top_layers`
+   highest-scoring layers outside `growth_exclude_layers`; SELECT the deepest of Top, then keep selecting the deepest
+   remaining Top layer that is not deeper than every selected one (deep-to-shallow), until `growth_max_layers` are
+   selected. With constant entropies "deepen before widening" takes every selected layer to `max_loop_depth`;
 4. kept heads of a selected layer = its `heads_per_layer` highest-entropy heads.
 
 The plan is written into `config.loop_plan` (list form, ascending layer) and applied to the model.
@@ -21,6 +22,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from ..training.sgt_selection import next_layer, rank_heads, top_layers
 
 CALIBRATION_SEQ_LEN = 256
 CALIBRATION_MAX_SEQUENCES = 64
@@ -70,24 +73,21 @@ def measure_head_entropy(model, sequences: list[torch.Tensor]) -> torch.Tensor:
 
 
 def plan_from_entropy(entropy: torch.Tensor, config) -> list[dict]:
-    """The static plan Algorithm 1 reaches with constant per-head entropies `entropy` (L, H)."""
-    num_layers = entropy.shape[0]
-    scores = entropy.mean(-1)
-    excluded = set(config.growth_exclude_layers or [])
-    eligible = [layer for layer in range(num_layers) if layer not in excluded]
-    top = sorted(eligible, key=lambda layer: (-float(scores[layer]), layer))[: config.growth_top_layers]
+    """The static plan Algorithm 1 reaches with constant per-head entropies `entropy` (L, H): the same selection
+    rules (and tie rule) as the growth scheduler, `hf_loops.training.sgt_selection`."""
+    direction = getattr(config, "growth_direction", "deep_to_shallow")
+    selection = getattr(config, "head_selection", "highest_entropy")
+    scores = entropy.mean(-1).tolist()
+    top = top_layers(scores, config.growth_exclude_layers or [], config.growth_top_layers, selection)
     selected: list[int] = []
-    while top and len(selected) < config.growth_max_layers:
-        candidates = [layer for layer in top if layer not in selected and (not selected or layer <= min(selected))]
-        if not candidates:
+    while len(selected) < config.growth_max_layers:
+        layer = next_layer(top, selected, direction)
+        if layer is None:
             break
-        selected.append(max(candidates))
-    plan = []
-    for layer in sorted(selected):
-        order = sorted(range(entropy.shape[1]), key=lambda h: (-float(entropy[layer, h]), h))
-        plan.append({"layer": layer, "heads": sorted(order[: config.heads_per_layer]),
-                     "depth": config.max_loop_depth})
-    return plan
+        selected.append(layer)
+    return [{"layer": layer, "heads": rank_heads(entropy[layer].tolist(), range(entropy.shape[1]),
+                                                 config.heads_per_layer, selection),
+             "depth": config.max_loop_depth} for layer in sorted(selected)]
 
 
 def calibrate_sgt(model, calibration, tokenizer) -> list[dict]:

@@ -23,6 +23,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from ..analysis.flops_sgt import plan_overhead
+from .sgt_selection import next_layer, rank_heads, top_layers
 
 logger = logging.get_logger(__name__)
 
@@ -51,13 +52,15 @@ class SGTGrowthScheduler:
     def __init__(self, num_layers: int, num_heads: int, *, growth_start: int = 250, growth_window: int = 250,
                  growth_top_layers: int = 3, growth_max_layers: int = 3, heads_per_layer: int = 2,
                  max_loop_depth: int = 1, entropy_ema: float = 0.5, growth_exclude_layers=(0,),
-                 head_decay: str = "linear", head_keep_schedule=None):
+                 head_decay: str = "linear", head_keep_schedule=None, growth_direction: str = "deep_to_shallow",
+                 head_selection: str = "highest_entropy"):
         self.num_layers, self.num_heads = num_layers, num_heads
         self.growth_start, self.growth_window = growth_start, growth_window
         self.growth_top_layers, self.growth_max_layers = growth_top_layers, growth_max_layers
         self.max_loop_depth, self.entropy_ema = max_loop_depth, entropy_ema
         self.growth_exclude_layers = list(growth_exclude_layers)
         self.head_decay = head_decay
+        self.growth_direction, self.head_selection = growth_direction, head_selection
         self.head_keep_schedule = list(head_keep_schedule) if head_keep_schedule else [heads_per_layer]
         # --- mutable state ---
         self.phase = VANILLA
@@ -79,7 +82,9 @@ class SGTGrowthScheduler:
                    growth_max_layers=config.growth_max_layers, heads_per_layer=config.heads_per_layer,
                    max_loop_depth=config.max_loop_depth, entropy_ema=config.entropy_ema,
                    growth_exclude_layers=config.growth_exclude_layers, head_decay=config.head_decay,
-                   head_keep_schedule=config.head_keep_schedule)
+                   head_keep_schedule=config.head_keep_schedule,
+                   growth_direction=getattr(config, "growth_direction", "deep_to_shallow"),
+                   head_selection=getattr(config, "head_selection", "highest_entropy"))
 
     # --- entropy -----------------------------------------------------------------------------------------------------
     def update_entropy(self, step_entropy) -> None:
@@ -108,10 +113,7 @@ class SGTGrowthScheduler:
         return [sum(e) / len(e) for e in (self.head_entropy(l) for l in range(self.num_layers))]
 
     def top_layers(self) -> list[int]:
-        scores = self.layer_scores()
-        eligible = [l for l in range(self.num_layers) if l not in self.growth_exclude_layers]
-        eligible.sort(key=lambda l: (-scores[l], -l))
-        return eligible[: self.growth_top_layers]
+        return top_layers(self.layer_scores(), self.growth_exclude_layers, self.growth_top_layers, self.head_selection)
 
     # --- gates and structure ---------------------------------------------------------------------------------------
     def gates(self, layer: int, step: int | None = None) -> list[float]:
@@ -137,8 +139,7 @@ class SGTGrowthScheduler:
         self.window_end = self.step + self.growth_window
 
     def _rank_heads(self, layer: int, heads, n: int) -> list[int]:
-        e = self.head_entropy(layer)
-        return sorted(sorted(heads, key=lambda h: (-e[h], h))[:n])
+        return rank_heads(self.head_entropy(layer), heads, n, self.head_selection)
 
     def _select(self, layer: int) -> dict:
         self.selected.append(layer)
@@ -165,7 +166,7 @@ class SGTGrowthScheduler:
             if not top:
                 self._fix("no eligible layer")
             else:
-                self._select(max(top))  # the deepest of the top-entropy layers
+                self._select(next_layer(top, [], self.growth_direction))  # the deepest of the top layers (by default)
             return self.history[n_events:]
         if self.in_window and step < self.window_end:
             return []
@@ -195,12 +196,12 @@ class SGTGrowthScheduler:
         if len(self.selected) >= self.growth_max_layers:  # 2) budget reached
             self._fix("layer budget reached")
             return self.history[n_events:]
-        shallowest = min(self.selected)
-        candidates = [l for l in top if l not in self.selected and l <= shallowest]  # 3) deep to shallow
-        if not candidates:
-            self._fix("no shallower candidate in the top layers")
+        layer = next_layer(top, self.selected, self.growth_direction)  # 3) deep to shallow (by default)
+        if layer is None:
+            side = "shallower" if self.growth_direction == "deep_to_shallow" else "deeper"
+            self._fix(f"no {side} candidate in the top layers")
         else:
-            self._select(max(candidates))
+            self._select(layer)
         return self.history[n_events:]
 
     # --- state -----------------------------------------------------------------------------------------------------
