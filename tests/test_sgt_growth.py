@@ -302,3 +302,51 @@ def test_two_rank_all_reduce_equals_one_process(tmp_path):
     assert child.returncode == 0, err[-2000:]
     rank1 = torch.tensor(json.loads(next(ln for ln in out.splitlines() if ln.startswith("EMA"))[4:]))
     assert torch.allclose(rank0, ref, atol=1e-6) and torch.allclose(rank1, ref, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The paper's ablations and one selection rule for growth and calibration
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_shallow_to_deep_growth_adds_layers_upwards():
+    sched = SGTGrowthScheduler(8, 4, max_loop_depth=1, growth_direction="shallow_to_deep")
+    trace = run(sched, lambda t: scripted(SCORES), 1300)
+    assert trace == [(250, "select", 3, 1), (500, "select", 5, 1), (750, "select", 7, 1), (1000, "fix", None, None)]
+
+
+def test_lowest_entropy_selection_loops_the_coldest_layers_and_heads():
+    sched = SGTGrowthScheduler(8, 4, max_loop_depth=1, head_selection="lowest_entropy")
+    run(sched, lambda t: scripted(SCORES), 1300)
+    # coldest eligible layers: 1 (0.1) < 2 (0.2) < 4 (0.3); deep to shallow: 4, 2, 1; heads 0 and 1 are the coldest
+    assert sched.selected == [4, 2, 1]
+    assert sched.plan() == [{"layer": l, "heads": [0, 1], "depth": 1} for l in (1, 2, 4)]
+
+
+def test_config_carries_the_ablation_knobs_into_the_scheduler():
+    cfg = SGTConfig(num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32,
+                    intermediate_size=64, vocab_size=50, growth_direction="shallow_to_deep",
+                    head_selection="lowest_entropy")
+    sched = SGTGrowthScheduler.from_config(cfg)
+    assert (sched.growth_direction, sched.head_selection) == ("shallow_to_deep", "lowest_entropy")
+    with pytest.raises(ValueError, match=r"SGTConfig\.growth_direction must be one of"):
+        SGTConfig(growth_direction="sideways")
+
+
+@pytest.mark.parametrize("direction", ["deep_to_shallow", "shallow_to_deep"])
+@pytest.mark.parametrize("selection", ["highest_entropy", "lowest_entropy"])
+def test_calibration_plan_equals_the_scheduler_on_constant_entropies(direction, selection):
+    """With entropies that never change, growth ends where calibration starts: same layers, heads, depth — ties
+    included: layers 3 and 5 tie for the last top-3 place, and the deeper one (5) gets it in both."""
+    from hf_loops.conversion.sgt import plan_from_entropy
+
+    scores = [0.99, 0.1, 0.2, 0.5, 0.3, 0.5, 0.7, 0.8]
+    cfg = SGTConfig(num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32,
+                    intermediate_size=64, vocab_size=50, max_loop_depth=2, growth_direction=direction,
+                    head_selection=selection)
+    sched = SGTGrowthScheduler.from_config(cfg)
+    run(sched, lambda t: scripted(scores, depth=2), 3000)
+    entropy = torch.tensor([step[0] for step in scripted(scores, depth=2)])
+    assert plan_from_entropy(entropy, cfg) == sched.plan()
+    if selection == "highest_entropy":
+        assert 5 in sched.selected and 3 not in sched.selected

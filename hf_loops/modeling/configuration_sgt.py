@@ -111,6 +111,10 @@ class SGTConfig(Qwen3Config):
         entropy_estimator (`str`, "last_row"): "last_row" (official: the last valid query row) or "sampled_rows" (the
             last valid row plus stratified rows, `entropy_sample_rows` in total).
         entropy_sample_rows (`int`, 8): rows per sequence for "sampled_rows".
+        growth_direction (`str`, "deep_to_shallow"): order in which layers are added (the paper); "shallow_to_deep"
+            is the paper's ablation.
+        head_selection (`str`, "highest_entropy"): which heads (and layers) are looped: the highest-entropy ones (the
+            paper) or, for the ablation, "lowest_entropy".
     """
 
     model_type = "sgt"
@@ -130,6 +134,8 @@ class SGTConfig(Qwen3Config):
     head_decay: Literal["linear", "cosine"] = "linear"
     head_keep_schedule: list | None = None
     entropy_estimator: Literal["last_row", "sampled_rows"] = "last_row"
+    growth_direction: Literal["deep_to_shallow", "shallow_to_deep"] = "deep_to_shallow"
+    head_selection: Literal["highest_entropy", "lowest_entropy"] = "highest_entropy"
     entropy_sample_rows: int = 8
 
     def __post_init__(self, **kwargs):

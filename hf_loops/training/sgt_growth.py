@@ -23,6 +23,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from ..analysis.flops_sgt import plan_overhead
+from ..modeling.configuration_sgt import SGTConfig
 from .sgt_selection import next_layer, rank_heads, top_layers
 
 logger = logging.get_logger(__name__)
@@ -49,11 +50,15 @@ def gate_value(step: int, start: int | None, window: int, decay: str) -> float:
 class SGTGrowthScheduler:
     """Algorithm 1 on plain Python state; `state_dict()` is JSON-serialisable."""
 
-    def __init__(self, num_layers: int, num_heads: int, *, growth_start: int = 250, growth_window: int = 250,
-                 growth_top_layers: int = 3, growth_max_layers: int = 3, heads_per_layer: int = 2,
-                 max_loop_depth: int = 1, entropy_ema: float = 0.5, growth_exclude_layers=(0,),
-                 head_decay: str = "linear", head_keep_schedule=None, growth_direction: str = "deep_to_shallow",
-                 head_selection: str = "highest_entropy"):
+    def __init__(self, num_layers: int, num_heads: int, *, growth_start: int = SGTConfig.growth_start,
+                 growth_window: int = SGTConfig.growth_window, growth_top_layers: int = SGTConfig.growth_top_layers,
+                 growth_max_layers: int = SGTConfig.growth_max_layers, heads_per_layer: int = SGTConfig.heads_per_layer,
+                 max_loop_depth: int = SGTConfig.max_loop_depth, entropy_ema: float = SGTConfig.entropy_ema,
+                 growth_exclude_layers=None, head_decay: str = SGTConfig.head_decay, head_keep_schedule=None,
+                 growth_direction: str = SGTConfig.growth_direction, head_selection: str = SGTConfig.head_selection):
+        """Defaults are `SGTConfig`'s (one set of growth defaults); `growth_exclude_layers=None` means [0], as there."""
+        if growth_exclude_layers is None:
+            growth_exclude_layers = [0]
         self.num_layers, self.num_heads = num_layers, num_heads
         self.growth_start, self.growth_window = growth_start, growth_window
         self.growth_top_layers, self.growth_max_layers = growth_top_layers, growth_max_layers
