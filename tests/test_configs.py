@@ -18,8 +18,9 @@ def _small(cls, **kw):
 
 def test_choices_come_from_the_literal_annotations():
     assert ITERATION_ATTENTION_MODES == ("duo", "causal", "same_iter")
-    assert MIXTURES == ("stop_prob", "even", "final") and DECIDERS == ("learned", "always", "never")
-    assert set(literal_fields(TaH2Config)) == {"iteration_attention", "decision_mode", "mixture", "updater", "decider"}
+    assert MIXTURES == ("stop_prob", "even", "final") and DECIDERS == ("learned", "always", "never", "exit_gate")
+    assert set(literal_fields(TaH2Config)) == {"iteration_attention", "decision_mode", "mixture", "updater", "decider",
+                                             "core_adapter", "exit_kv_fill"}
     assert literal_choices(SGTConfig, "loop_mode") == ("heads", "block")
 
 

@@ -246,15 +246,28 @@ class StreamView:
 
     Under activation checkpointing a layer runs twice; the second (recompute) call rebuilds the same concatenation
     from the prefix that preceded this call's write instead of writing again.
+
+    `copy_previous` (B, T) bool, dense streams only (every token in every stream, in time order): those tokens' new
+    K/V are replaced by their K/V in the previous stream (Ouro-style `exit_kv_fill="copy_last"`: a token that exited
+    exposes its last executed states at every deeper depth).
     """
 
-    def __init__(self, streams: CallStreams, stream: int, key_streams: list[int], rows, batch_size: int):
+    def __init__(self, streams: CallStreams, stream: int, key_streams: list[int], rows, batch_size: int,
+                 copy_previous: torch.Tensor | None = None):
         self.streams = streams
         self.stream = stream
         self.key_streams = key_streams
         self.rows = rows
         self.batch_size = batch_size
+        self.copy_previous = copy_previous
         self._prefix_len: dict[int, int] = {}
+
+    def _copy_from_previous_stream(self, key_states, value_states, layer_idx):
+        prev = self.streams.store(self.stream - 1).kv_layer(self.stream - 1, layer_idx)
+        T = key_states.shape[-2]
+        take = self.copy_previous[:, None, :, None]
+        return (torch.where(take, prev.keys[..., -T:, :], key_states),
+                torch.where(take, prev.values[..., -T:, :], value_states))
 
     def _scatter(self, states: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
@@ -269,6 +282,8 @@ class StreamView:
         store = self.streams.store(self.stream)
         layer = store.kv_layer(self.stream, layer_idx)
         k_new, v_new = self._scatter(key_states), self._scatter(value_states)
+        if self.copy_previous is not None:
+            k_new, v_new = self._copy_from_previous_stream(k_new, v_new, layer_idx)
         if layer_idx not in self._prefix_len:
             self._prefix_len[layer_idx] = layer.get_seq_length()
             k_all, v_all = layer.update(k_new, v_new)

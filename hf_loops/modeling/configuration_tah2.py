@@ -22,6 +22,13 @@ TAH2_PRESETS: dict[str, dict] = {
     "tah2-fixed": {"iteration_attention": "causal", "decider": "always", "mixture": "even"},
     # Ouro-style: the hidden state is passed straight on, one KV stream per iteration, no decider, even mixture.
     "ouro": {"iteration_attention": "same_iter", "updater": "hidden", "decider": "always", "mixture": "even"},
+    # Ouro Stage II: the same, plus a linear exit gate trained on a frozen backbone; Q-exit, exited tokens' K/V copied.
+    "ouro-stage2": {"iteration_attention": "same_iter", "updater": "hidden", "decider": "exit_gate", "mixture": "final",
+                    "exit_kv_fill": "copy_last"},
+    # Huginn-style: prelude once, core layers looped M times with the Eq. 12 adapter, coda once, LM head once. The
+    # core defaults to the paper's layers 8–21 of 28 (1-based), scaled to the model's depth.
+    "huginn": {"max_iterations": 3, "core_adapter": "huginn", "iteration_attention": "same_iter", "decider": "always",
+               "mixture": "final", "updater": "identity"},
 }
 
 
@@ -44,10 +51,20 @@ class TaH2Config(Qwen3Config):
         updater_intermediate_size (`int`, hidden_size): SwiGLU width of the learned updater.
         updater_norm_pre_mlp, updater_norm_out (`bool`, True): the updater's optional RMSNorms.
         updater_topk (`int`, 100): k of the "topk_embedding" updater.
-        decider (`str`, "learned"): "learned" (Eq. 10), "always" (run every depth: TaH2-fixed), "never" (depth 1).
+        decider (`str`, "learned"): "learned" (Eq. 10), "always" (run every depth: TaH2-fixed), "never" (depth 1),
+            "exit_gate" (Ouro Stage II: a linear exit gate λ = σ(wᵀ sg[h]) on each depth, Q-exit at inference: stop at
+            the first depth whose cumulative exit probability reaches `exit_threshold`).
         decider_intermediate_size (`int`, hidden_size): SwiGLU width of the learned decider.
         decider_topk (`int`, hidden_size): number of top next-token probabilities the decider reads (zero-padded
             when the vocabulary is smaller).
+        loop_span (`list[int]`, None): Huginn-style baseline: [start, end), 0-based, of the core layers looped M
+            times between a prelude (layers before start, once) and a coda (layers from end, once). None = TaH2's
+            whole-backbone loop, or with `core_adapter="huginn"` the paper's span (layers 8–21 of 28, 1-based) scaled
+            to `num_hidden_layers`: [L·7//28, L·21//28).
+        core_adapter (`str`, None): "huginn": the core input after iteration m is u = a ⊙ r(m) + v ⊙ W_in z
+            (Eq. 12, z = prelude output, v = softplus(b_in), a = exp(−v ⊙ exp(b_ret))); None: u = r(m).
+        exit_kv_fill (`str`, None): "copy_last" (Ouro-style decode): a token that exits at depth e exposes its
+            depth-e keys/values in every deeper stream.
     """
 
     model_type = "tah2"
@@ -62,9 +79,12 @@ class TaH2Config(Qwen3Config):
     updater_norm_pre_mlp: bool = True
     updater_norm_out: bool = True
     updater_topk: int = 100
-    decider: Literal["learned", "always", "never"] = "learned"
+    decider: Literal["learned", "always", "never", "exit_gate"] = "learned"
     decider_intermediate_size: int | None = None
     decider_topk: int | None = None
+    loop_span: list[int] | None = None
+    core_adapter: Literal["huginn"] | None = None
+    exit_kv_fill: Literal["copy_last"] | None = None
 
     def __post_init__(self, **kwargs):
         if self.updater_intermediate_size is None:
@@ -94,6 +114,34 @@ class TaH2Config(Qwen3Config):
         for name in ("updater_norm_pre_mlp", "updater_norm_out"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TaH2Config.{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_loop_span()
+        if self.decider == "exit_gate" and self.mixture != "final":
+            raise ValueError("TaH2Config.decider='exit_gate' (Ouro Stage II) outputs each token's exit depth: it needs "
+                             f"mixture='final', got {self.mixture!r}")
+        if self.exit_kv_fill is not None and (self.decider != "exit_gate" or self.iteration_attention != "same_iter"):
+            raise ValueError("TaH2Config.exit_kv_fill='copy_last' is the Ouro-style decode rule: it needs "
+                             "decider='exit_gate' and iteration_attention='same_iter'")
+
+    def _check_loop_span(self) -> None:
+        """Huginn-style prelude / core / coda: `loop_span` = [start, end), 0-based, of the looped core layers."""
+        if self.loop_span is None:
+            if self.core_adapter is None:
+                return
+            # The paper's span, layers 8–21 of 28 (1-based): the middle half, scaled to this depth.
+            L = self.num_hidden_layers
+            self.loop_span = [L * 7 // 28, max(L * 21 // 28, L * 7 // 28 + 1)]
+        span = self.loop_span
+        L = self.num_hidden_layers
+        if (not isinstance(span, (list, tuple)) or len(span) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in span) or not 0 <= span[0] < span[1] <= L):
+            raise ValueError(f"TaH2Config.loop_span must be [start, end) with 0 <= start < end <= num_hidden_layers "
+                             f"({L}), got {span!r}")
+        self.loop_span = [int(span[0]), int(span[1])]
+        wanted = {"decider": "always", "iteration_attention": "same_iter", "mixture": "final"}
+        wrong = {k: getattr(self, k) for k, v in wanted.items() if getattr(self, k) != v}
+        if wrong:
+            raise ValueError(f"TaH2Config.loop_span (Huginn-style) runs every core iteration with same-iteration "
+                             f"attention and reads the last one: it needs {wanted}, got {wrong}")
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

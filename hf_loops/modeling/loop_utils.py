@@ -101,6 +101,10 @@ def literal_choices(config_class, field: str) -> tuple:
             annotation = eval(annotation, vars(sys.modules[klass.__module__]))  # noqa: S307 - our own annotation
         if typing.get_origin(annotation) is typing.Literal:
             return typing.get_args(annotation)
+        args = typing.get_args(annotation)  # Literal[...] | None
+        literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+        if literals:
+            return typing.get_args(literals[0]) + ((None,) if type(None) in args else ())
         break
     raise TypeError(f"{config_class.__name__}.{field} is not a Literal-typed field")
 

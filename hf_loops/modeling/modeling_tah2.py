@@ -37,6 +37,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .cache_tah2 import CallStreams, StreamView, TaH2Cache
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
 from .loop_utils import (
+    LoopCacheView,
     additive_mask,
     plain_attention_mask,
     positions_from_mask,
@@ -166,6 +167,59 @@ class TaH2Decider(nn.Module):
         return self.score(self.norm_out(self.mlp(x))).squeeze(-1).float()
 
 
+class TaH2ExitGate(nn.Module):
+    """Ouro Stage II's exit gate λ = σ(w_exitᵀ sg[h(m)]) (d parameters); returns the continue logit logit(1 − λ)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, embeds, hidden, logits) -> torch.Tensor:
+        return -self.gate(hidden.detach()).squeeze(-1).float()
+
+
+class HuginnAdapter(nn.Module):
+    """Huginn-style core adapter (Eq. 12): u(m+1) = a ⊙ r(m) + v ⊙ W_in z, v = softplus(b_in), a = exp(−v ⊙ exp(b_ret));
+    z = prelude output, r(m) = core output. d² + 2d parameters; W_in = I and b_in = b_ret = 0 at initialisation."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.input_proj = nn.Linear(d, d, bias=False)
+        self.input_bias = nn.Parameter(torch.zeros(d))
+        self.retain_bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, core_out, prelude_out):
+        v = F.softplus(self.input_bias.float())
+        a = torch.exp(-v * torch.exp(self.retain_bias.float()))
+        return (a * core_out.float() + v * self.input_proj(prelude_out).float()).to(core_out.dtype)
+
+
+class QExit:
+    """Ouro Stage II's inference rule: a token's output is its first depth m whose cumulative exit probability
+    1 − Π_{j≤m}(1 − λ(j)) reaches q (`exit_threshold`), or M. Every depth still runs (dense streams); with
+    `exit_kv_fill="copy_last"` an exited token's deeper K/V are copies of its exit depth's."""
+
+    def __init__(self, valid: torch.Tensor, q: float):
+        self.valid = valid
+        self.alive = valid.clone()
+        self.survival = torch.ones(valid.shape, dtype=torch.float32, device=valid.device)
+        self.q = q
+
+    def emit(self, step: "DepthStep") -> torch.Tensor:
+        """(N,) bool: the step's tokens whose output is this depth's (they have not exited yet)."""
+        return self.alive[step.batch_index, step.time_index]
+
+    def update(self, step: "DepthStep") -> None:
+        index = (step.batch_index, step.time_index)
+        survival = self.survival[index] * step.continue_prob
+        self.survival = self.survival.index_put(index, survival)
+        self.alive = self.alive.index_put(index, self.alive[index] & (survival > 1.0 - self.q))
+
+    def exited(self) -> torch.Tensor:
+        return self.valid & ~self.alive
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Packing active tokens (spec §2.7)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -250,6 +304,7 @@ class DepthStep:
     continue_logit: torch.Tensor | None  # decider logit (fp32, with gradient); None at m = M
     continue_prob: torch.Tensor  # g(m); 0 at m = M
     cont: torch.Tensor  # (N,) bool: the token runs depth m + 1
+    emit: torch.Tensor | None = None  # (N,) bool: the token's output includes this depth (None: every token; Q-exit)
 
 
 class StoppingWeightedMixture:
@@ -365,6 +420,40 @@ class _LoopRecorder:
 
     def records(self, **fields) -> TaH2LoopRecords:
         return TaH2LoopRecords(embeds=self.embeds.detach(), **fields, **self.lists)
+
+
+class _DepthTrace:
+    """Per-token outputs of the loop: executed (or, under Q-exit, output) depth, continue probabilities, per-depth
+    hidden states, and the rows the backbone computed at each depth."""
+
+    def __init__(self, run: "_LoopSetup", want_hidden: bool):
+        B, T, _ = run.embeds.shape
+        device = run.embeds.device
+        self.run, self.want_hidden = run, want_hidden
+        self.iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.continue_probs = torch.full((B, T, max(run.max_iterations - 1, 0)), float("nan"), device=device)
+        self.iteration_hidden: list = []
+        self.rows_per_depth: list = []
+        self.first_pass = None
+
+    def add_full_pass(self, h: torch.Tensor) -> None:
+        """M = 1: the one pass, every position."""
+        self.first_pass = h
+        self.rows_per_depth.append(int(h.shape[0] * h.shape[1]))
+        self.iter_counts = self.run.valid.long()
+        self.iteration_hidden.append(h)
+
+    def add(self, step: "DepthStep", h: torch.Tensor) -> None:
+        self.first_pass = h if step.depth == 1 else self.first_pass
+        self.rows_per_depth.append(int(h.shape[0] * h.shape[1]))
+        index = (step.batch_index, step.time_index)
+        shown = index if step.emit is None else (index[0][step.emit], index[1][step.emit])
+        self.iter_counts = self.iter_counts.index_put(shown, torch.full_like(shown[0], step.depth))
+        if self.want_hidden:
+            self.iteration_hidden.append(torch.zeros_like(self.run.embeds).index_put(index, step.hidden))
+        if not step.last:
+            self.continue_probs = self.continue_probs.index_put(
+                index + (torch.full_like(index[0], step.depth - 1),), step.continue_prob.detach())
 
 
 def _any_on_any_rank(flag: bool, synchronise: bool) -> bool:
@@ -504,6 +593,10 @@ class TaH2PreTrainedModel(PreTrainedModel):
             init.kaiming_uniform_(module.weight, a=math.sqrt(5))
         elif role == "score":  # g ≈ 0.5 at the start of training
             init.normal_(module.weight, mean=0.0, std=0.01)
+        if isinstance(module, HuginnAdapter):  # u(2) = r(1)/2 + softplus(0)·z: identity W_in, zero biases [D]
+            init.eye_(module.input_proj.weight)
+            init.zeros_(module.input_bias)
+            init.zeros_(module.retain_bias)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers=1):
         """Loop-aware checkpointing: HF's per-layer checkpointing drops `cache=`, which would remove the
@@ -536,12 +629,13 @@ class TaH2Model(TaH2PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect=None):
-        """One pass of all decoder layers (no final norm) with `cache` as the layers' cache object.
+    def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect=None, span=None):
+        """One pass of the decoder layers (no final norm) with `cache` as the layers' cache object: all of them, or
+        the `span` = (start, end) slice (Huginn-style prelude / core / coda).
 
         `collect` (optional `LayerCollector`) records each layer's input and, under eager attention, its weights."""
         checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for layer in self.layers if span is None else self.layers[span[0]:span[1]]:
             if collect is not None:
                 collect.hidden.append(hidden)
             call = functools.partial(
@@ -605,7 +699,7 @@ class TaH2Model(TaH2PreTrainedModel):
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Modules a Qwen3 checkpoint does not have (freshly initialised by a conversion).
-    _hf_loops_new_module_prefixes = ("updater.", "decider.")
+    _hf_loops_new_module_prefixes = ("updater.", "decider.", "core_adapter.")
 
     def __init__(self, config: TaH2Config):
         super().__init__(config)
@@ -613,13 +707,15 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.updater = TaH2Updater(config) if config.updater == "learned" else None
-        self.decider = TaH2Decider(config) if config.decider == "learned" else None
-        for part in (self.updater, self.decider):
+        deciders = {"learned": TaH2Decider, "exit_gate": TaH2ExitGate}
+        self.decider = deciders[config.decider](config) if config.decider in deciders else None
+        self.core_adapter = HuginnAdapter(config) if config.core_adapter == "huginn" else None
+        for part in (self.updater, self.decider if config.decider == "learned" else None):
             if part is not None:
                 for sub in part.modules():
                     if isinstance(sub, nn.Linear):
                         sub._tah2_init = "torch_default"
-        if self.decider is not None:
+        if config.decider == "learned":
             self.decider.score._tah2_init = "score"
         self.post_init()
 
@@ -654,14 +750,14 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     def _continue_logit(self, embeds, hidden, logits) -> torch.Tensor:
         """Decider logit (fp32) per token; ±inf for the fixed `always` / `never` deciders."""
         kind = self.config.decider
-        if kind == "learned":
+        if kind in ("learned", "exit_gate"):
             return self.decider(embeds, hidden, logits)
         return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
 
     def _needs_logits_for_decisions(self) -> bool:
         return self.config.decider == "learned" or self.config.updater == "topk_embedding"
 
-    def _unused_parameter_anchor(self) -> torch.Tensor:
+    def _unused_parameter_anchor(self) -> torch.Tensor:  # noqa: D401
         """0 · Σ p over the trainable updater/decider parameters, added to the training loss *inside* forward.
 
         A step where no token continues leaves the updater (and, with a fixed-weight mixture, the decider) out of the
@@ -669,15 +765,15 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         forward's own output: DDP without unused-parameter detection waits for a gradient of every parameter, DDP with
         it marks the unreached ones ready at the end of forward (a term added outside forward would fire their hooks a
         second time), and FSDP reduces every shard. Reaching them here, with a zero coefficient, satisfies all three."""
-        params = [p for part in (self.updater, self.decider) if part is not None for p in part.parameters()
-                  if p.requires_grad]
+        params = [p for part in (self.updater, self.decider, self.core_adapter) if part is not None
+                  for p in part.parameters() if p.requires_grad]
         if not params:
             return torch.zeros((), device=self.lm_head.weight.device)
         return 0.0 * sum(p.sum() for p in params)
 
     # -- running the backbone at one depth -----------------------------------------------------------------------------
     def _run_depth(self, streams, stream, x, pack, position_ids, token_index, seq_ids, mode, stream0_mask=None,
-                   key_continue=None, collect=None):
+                   key_continue=None, collect=None, copy_previous=None):
         """Run the whole backbone (and final norm) once, at stream `stream`, for the tokens `pack` selects."""
         backbone = self.model
         B = x.shape[0]
@@ -701,7 +797,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                            key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
             mask = additive_mask(visible[:, None], x.dtype)
         x_j = pack.gather(x)
-        view = StreamView(streams, stream, key_streams, pack.rows, B)
+        view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
         return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view, collect))
 
@@ -778,7 +874,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             use_cache=bool(use_cache),
         )
 
-    def _backbone_pass(self, run: _LoopSetup, depth: int, x: torch.Tensor, pack: _Packing, collect=None):
+    def _backbone_pass(self, run: _LoopSetup, depth: int, x: torch.Tensor, pack: _Packing, collect=None,
+                       copy_previous=None):
         """h(m) for the packed tokens. Depth 1 attends like Qwen3 (HF's own causal mask over stream 0); its per-layer
         states go to `collect` (`output_hidden_states` / `output_attentions`)."""
         stream0_mask = None
@@ -787,9 +884,10 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                               attention_mask=run.attention_mask,
                                               cache=run.cache if run.past > 0 else None, position_ids=run.position_ids)
         return self._run_depth(run.streams, depth - 1, x, pack, run.position_ids, run.token_index, run.seq_ids,
-                               self.config.iteration_attention, stream0_mask, collect=collect if depth == 1 else None)
+                               self.config.iteration_attention, stream0_mask, collect=collect if depth == 1 else None,
+                               copy_previous=copy_previous)
 
-    def _depth_step(self, run: _LoopSetup, depth: int, h: torch.Tensor, pack: _Packing) -> DepthStep:
+    def _depth_step(self, run: _LoopSetup, depth: int, h: torch.Tensor, pack: _Packing, qexit=None) -> DepthStep:
         """LM head and decider on the real tokens of depth m, and their decisions (continue iff g > τ, or sampled)."""
         fb, ft, sel = pack.flat_tokens()
         h_flat, e_flat = h[sel], run.embeds[fb, ft]
@@ -805,10 +903,20 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         else:
             logit = self._continue_logit(e_flat, h_flat, z_flat)
             g = torch.sigmoid(logit)
-            cont = torch.bernoulli(g.detach()).bool() if self.config.decision_mode == "sample" else g > run.exit_threshold
-        return DepthStep(depth=depth, last=last, batch_index=fb, time_index=ft, slots=sel, hidden=h_flat,
+            if self.config.decider == "exit_gate":  # every depth runs; `QExit` picks each token's output depth
+                cont = torch.ones_like(fb, dtype=torch.bool)
+            elif self.config.decision_mode == "sample":
+                cont = torch.bernoulli(g.detach()).bool()
+            else:
+                cont = g > run.exit_threshold
+        step = DepthStep(depth=depth, last=last, batch_index=fb, time_index=ft, slots=sel, hidden=h_flat,
                          embeds=e_flat, logits=z_flat, kept=kept, kept_logits=z_kept, continue_logit=logit,
                          continue_prob=g, cont=cont)
+        if qexit is not None:  # Ouro Stage II: the output depth of each token follows the cumulative exit probability
+            step.emit = qexit.emit(step)
+            if not last:
+                qexit.update(step)
+        return step
 
     def _advance(self, run: _LoopSetup, step: DepthStep, x: torch.Tensor) -> tuple[torch.Tensor, _Packing]:
         """Updater inputs x(m+1) = U(e, h(m)) of the continuing tokens, and their packing for depth m + 1."""
@@ -816,22 +924,81 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         cb, ct = step.batch_index[c], step.time_index[c]
         x_next = self._next_input(step.embeds[c], step.hidden[c], step.logits[c] if step.logits is not None else None)
         x = x.index_put((cb, ct), x_next.to(x.dtype))
+        if self.config.decider == "exit_gate":  # dense streams in time order (exited tokens' K/V get copied)
+            return x, _Packing.everything(run.valid)
         B, T = run.valid.shape
         active = torch.zeros(B, T, dtype=torch.bool, device=x.device).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
         return x, _Packing.of(active) or _Packing.placeholder(B, x.device)
 
     def _accumulate(self, run: _LoopSetup, step: DepthStep, mixture: StoppingWeightedMixture, recorder) -> None:
-        """Add depth m to the mixture (the kept positions' distributions and/or log q[y]) and to the loop records."""
+        """Add depth m to the mixture (the kept positions' distributions and/or log q[y]) and to the loop records.
+
+        Under Q-exit (`step.emit`) only tokens that have not exited take this depth's distribution; the records keep
+        every executed token (Ouro Stage II's gate targets need ℓ(m) and ℓ(m+1) of all of them)."""
         index = (step.batch_index, step.time_index)
         log_w = mixture.log_weights(step)
-        if step.kept_logits is not None:
-            mixture.add_distribution((index[0][step.kept], run.kept_slot[index[1][step.kept]]), log_w[step.kept],
-                                     step.kept_logits)
+        emit = step.emit if step.emit is not None else torch.ones_like(step.kept)
+        logp_target = None
         if run.targets is not None:
             logp_target = target_log_prob(step.logits, run.targets.clamp(min=0)[index])
-            mixture.add_target(index, log_w, logp_target)
             if recorder is not None:
                 recorder.add(step, logp_target)
+        if step.kept_logits is not None:
+            kept_emit = emit[step.kept]
+            slot = (index[0][step.kept][kept_emit], run.kept_slot[index[1][step.kept][kept_emit]])
+            mixture.add_distribution(slot, log_w[step.kept][kept_emit], step.kept_logits[kept_emit])
+        if logp_target is not None:
+            mixture.add_target((index[0][emit], index[1][emit]), log_w[emit], logp_target[emit])
+
+    def _forward_huginn(self, run: _LoopSetup, labels, output_hidden_states, output_attentions, return_loop_records,
+                        kwargs):
+        """Huginn-style baseline (spec §5): prelude (layers before `loop_span`) once → z; the core layers M times with
+        u(1) = z and u(m+1) = adapter(r(m), z) (or r(m) without adapter); the coda once on r(M); the LM head once.
+        Every token runs every core iteration; iteration m keeps its own K/V stream (stream 0 also holds the prelude and
+        coda layers, whose indices differ), so each layer call is plain causal attention over its own slot."""
+        cfg, M = self.config, run.max_iterations
+        if return_loop_records:
+            raise ValueError("return_loop_records (lookahead supervision) does not apply to the Huginn-style baseline")
+        start, end = cfg.loop_span
+        L, B, T = cfg.num_hidden_layers, run.embeds.shape[0], run.embeds.shape[1]
+        backbone, cache = self.model, run.cache
+        if cache is not None:
+            cache.ensure_streams(M)
+        mask = create_causal_mask(config=cfg, inputs_embeds=run.embeds, attention_mask=run.attention_mask,
+                                  cache=cache if run.past > 0 else None, position_ids=run.position_ids)
+        pos_emb = backbone.rotary_emb(run.embeds, run.position_ids)
+        collect = LayerCollector.requested(cfg, output_hidden_states, output_attentions)
+
+        def layers(hidden, span, stream):
+            view = LoopCacheView(cache, stream * (L + 1)) if cache is not None else None
+            return backbone.run_layers(hidden, mask, run.position_ids, pos_emb, view, collect, span=span)
+
+        z = layers(run.embeds, (0, start), 0)
+        u = z
+        for m in range(1, M + 1):
+            r = layers(u, (start, end), m - 1)
+            if m < M:
+                u = self.core_adapter(r, z) if self.core_adapter is not None else r
+        h = backbone.norm(layers(r, (end, L), 0))
+        logits = self.lm_head(h[:, run.keep])
+        if cache is not None:  # every stream is dense: the metadata lets crop / reorder treat them like TaH2's
+            for stream in range(M):
+                cache.append_metadata(stream, run.position_ids, run.valid, run.token_index,
+                                      run.valid.long() * M if stream == 0 else torch.zeros_like(run.token_index))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=None, shift_labels=run.targets,
+                                      vocab_size=cfg.vocab_size, **kwargs)
+            if self.training:
+                loss = loss + self._unused_parameter_anchor()
+        want_hidden = collect is not None and collect.want_hidden
+        return TaH2CausalLMOutput(
+            loss=loss, logits=logits, cache=cache if run.use_cache else None, iter_counts=run.valid.long() * M,
+            continue_probs=torch.where(run.valid[..., None], 1.0, float("nan")).expand(B, T, M - 1).clone(),
+            hidden_states=collect.hidden_states(h) if want_hidden else None,
+            attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
+            rows_per_depth=(B * T,) * M,
+        )
 
     def _mixture_nll(self, mixture: StoppingWeightedMixture, targets, iter_counts, num_items_in_batch):
         """(1/N) Σ_t −log q_t[y_t] over supervised tokens; N = `num_items_in_batch` (the Trainer's global count)."""
@@ -879,35 +1046,30 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                kwargs.pop("shift_labels", None), use_cache, logits_to_keep, max_iterations,
                                exit_threshold, return_mixture_logits, return_loop_records)
         M, (B, T, _), device = run.max_iterations, run.embeds.shape, run.embeds.device
+        if self.config.loop_span is not None:
+            return self._forward_huginn(run, labels, output_hidden_states, output_attentions, return_loop_records,
+                                        kwargs)
         mixture = StoppingWeightedMixture(self.config.mixture, B, T, run.keep.numel(), device)
         recorder = _LoopRecorder(run.embeds) if return_loop_records else None
-        iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
-        continue_probs = torch.full((B, T, max(M - 1, 0)), float("nan"), device=device)
-        iteration_hidden, rows_per_depth, raw_logits, first_pass = [], [], None, None
-
         collect = LayerCollector.requested(self.config, output_hidden_states, output_attentions)
-        output_hidden_states = collect is not None and collect.want_hidden
-        x, pack = run.embeds, _Packing.everything(run.valid)
+        trace = _DepthTrace(run, want_hidden=collect is not None and collect.want_hidden)
+        qexit = QExit(run.valid, run.exit_threshold) if self.config.decider == "exit_gate" else None
+        x, pack, copy_previous, raw_logits = run.embeds, _Packing.everything(run.valid), None, None
         for depth in range(1, M + 1):
-            h = self._backbone_pass(run, depth, x, pack, collect)
-            first_pass = h if depth == 1 else first_pass
-            rows_per_depth.append(int(h.shape[0] * h.shape[1]))
+            h = self._backbone_pass(run, depth, x, pack, collect, copy_previous)
             if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
-                raw_logits, iter_counts = self.lm_head(h[:, run.keep]), run.valid.long()
-                iteration_hidden.append(h)
+                raw_logits = self.lm_head(h[:, run.keep])
+                trace.add_full_pass(h)
                 break
-            step = self._depth_step(run, depth, h, pack)
-            index = (step.batch_index, step.time_index)
-            iter_counts = iter_counts.index_put(index, torch.full_like(index[0], depth))
-            if output_hidden_states:
-                iteration_hidden.append(torch.zeros_like(run.embeds).index_put(index, step.hidden))
-            if not step.last:
-                continue_probs = continue_probs.index_put(index + (torch.full_like(index[0], depth - 1),),
-                                                          step.continue_prob.detach())
+            step = self._depth_step(run, depth, h, pack, qexit)
+            trace.add(step, h)
             self._accumulate(run, step, mixture, recorder)
             if step.last or not _any_on_any_rank(bool(step.cont.any()), run.synchronise):
                 break
+            if qexit is not None and self.config.exit_kv_fill == "copy_last":
+                copy_previous = qexit.exited()
             x, pack = self._advance(run, step, x)
+        iter_counts = trace.iter_counts
         run.streams.commit(iter_counts)
 
         logits = raw_logits if M == 1 else mixture.log_probs(iter_counts[:, run.keep])
@@ -929,11 +1091,11 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             logits=logits,
             cache=run.cache if run.use_cache else None,
             iter_counts=iter_counts,
-            continue_probs=continue_probs,
-            hidden_states=collect.hidden_states(first_pass) if output_hidden_states else None,
+            continue_probs=trace.continue_probs,
+            hidden_states=collect.hidden_states(trace.first_pass) if trace.want_hidden else None,
             attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
-            iteration_hidden_states=tuple(iteration_hidden) if output_hidden_states else None,
-            rows_per_depth=tuple(rows_per_depth),
+            iteration_hidden_states=tuple(trace.iteration_hidden) if trace.want_hidden else None,
+            rows_per_depth=tuple(trace.rows_per_depth),
             loop_records=records,
         )
 

@@ -146,3 +146,26 @@ def decider_bce_sum(decider_logits: list, labels: DepthLabels, margin: float = 0
     if total is None:
         return torch.zeros(())
     return total
+
+
+def ouro_gate_targets(loss_now: torch.Tensor, loss_next: torch.Tensor, sharpness: float = 50.0,
+                      margin: float = 0.005) -> torch.Tensor:
+    """Ouro Stage II soft continue targets (spec §5): c̃ = σ(k(I − γ)), I = max(0, sg[ℓ(m) − ℓ(m+1)])."""
+    improvement = (loss_now.detach().float() - loss_next.detach().float()).clamp(min=0.0)
+    return torch.sigmoid(sharpness * (improvement - margin))
+
+
+def ouro_gate_loss_sum(records, sharpness: float = 50.0, margin: float = 0.005) -> torch.Tensor:
+    """Σ_{m<M} Σ_t BCE(1 − λ(m), c̃(m)) over supervised tokens, divided by M (Eq. 11 before the 1/N).
+
+    `records` are the main forward's loop records: every token runs every depth under the exit gate, so ℓ(m) and
+    ℓ(m+1) exist for all of them; the continue logit is logit(1 − λ)."""
+    supervised = records.targets != -100
+    M = records.max_iterations
+    total = torch.zeros((), device=records.targets.device)
+    for m in range(1, min(M, len(records.token_logprob))):
+        both = supervised & records.executed[m - 1] & records.executed[m]
+        target = ouro_gate_targets(-records.token_logprob[m - 1], -records.token_logprob[m], sharpness, margin)
+        bce = F.binary_cross_entropy_with_logits(records.decider_logits[m - 1].float(), target, reduction="none")
+        total = total + (bce * both.float()).sum()
+    return total / M

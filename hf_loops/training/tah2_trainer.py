@@ -16,7 +16,7 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from ..modeling.modeling_tah2 import shift_targets
-from .tah2_labels import compute_depth_labels, decider_bce_sum
+from .tah2_labels import compute_depth_labels, decider_bce_sum, ouro_gate_loss_sum
 
 
 @dataclass
@@ -31,6 +31,8 @@ class TaH2SFTConfig(SFTConfig):
     beta_clamp_max: float | None = field(default=50.0, metadata={"help": "Upper clamp of the class balance β (None: no clamp)."})
     bce_margin: float = field(default=0.0, metadata={"help": "Logit margin of the decider BCE, >= 0."})
     lookahead: bool = field(default=True, metadata={"help": "Train the decider with lookahead labels (learned decider, M >= 2, duo/same_iter)."})
+    gate_sharpness: float = field(default=50.0, metadata={"help": "Ouro Stage II (decider='exit_gate'): k of the soft gate target σ(k(I − γ)), > 0."})
+    gate_margin: float = field(default=0.005, metadata={"help": "Ouro Stage II: γ of the soft gate target, >= 0."})
 
     def __post_init__(self):
         if not 0.0 < self.coverage <= 1.0:
@@ -46,6 +48,13 @@ class TaH2SFTConfig(SFTConfig):
                              f"{self.beta_clamp_min}, {self.beta_clamp_max}")
         if self.bce_margin < 0:
             raise ValueError(f"bce_margin must be >= 0, got {self.bce_margin}")
+        if not self.gate_sharpness > 0 or self.gate_margin < 0:
+            raise ValueError(f"gate_sharpness must be > 0 and gate_margin >= 0, got {self.gate_sharpness}, "
+                             f"{self.gate_margin}")
+        if self.ddp_find_unused_parameters is None:
+            # TaH2's forward reaches every trainable parameter in every step (see `_unused_parameter_anchor`), so DDP's
+            # extra graph traversal for unused parameters would find none; either setting is correct.
+            self.ddp_find_unused_parameters = False
         super().__post_init__()
 
     @property
@@ -95,7 +104,8 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits:
     inputs = dict(inputs)
     labels = inputs.pop("labels")
     lookahead = uses_lookahead(core, args)
-    outputs = model(**inputs, labels=labels, use_cache=False, return_loop_records=lookahead,
+    exit_gate = core.config.decider == "exit_gate" and core.config.max_iterations >= 2
+    outputs = model(**inputs, labels=labels, use_cache=False, return_loop_records=lookahead or exit_gate,
                     return_mixture_logits=return_logits, num_items_in_batch=num_items_in_batch)
     supervised = _supervised_targets(labels, inputs.get("attention_mask"))
     n_local = supervised.sum()
@@ -141,6 +151,10 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits:
             else:
                 metrics[f"decider_acc@{m}"] = (torch.zeros(()), terms.sum())
         outputs.depth_labels = labels_d
+    if exit_gate:  # Ouro Stage II (Eq. 11): the gate alone learns, from soft targets; the backbone is frozen
+        gate_sum = ouro_gate_loss_sum(outputs.loop_records, args.gate_sharpness, args.gate_margin).to(ntp.device)
+        loss = gate_sum / n + 0.0 * ntp
+        metrics["gate_loss"] = (gate_sum.detach(), n_local)
     return loss, outputs, metrics
 
 
@@ -151,6 +165,14 @@ def metric_values(metrics: dict) -> dict:
 
 class TaH2SFTTrainer(SFTTrainer):
     """`SFTTrainer` whose loss is TaH2's joint objective (Eq. 7) with lookahead labels."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        core = _unwrap(self.model)
+        if getattr(core.config, "decider", None) == "exit_gate":
+            # Ouro Stage II trains the exit gate on a frozen backbone (spec §5).
+            for name, p in core.named_parameters():
+                p.requires_grad_(name.startswith("decider."))
 
     def get_decay_parameter_names(self, model) -> list[str]:
         # The official recipe decays every parameter except nn.LayerNorm ones — Qwen3 has none, so RMSNorm scales are
