@@ -11,6 +11,7 @@ This file ships as Hub remote code next to the modeling files: it imports only t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import sys
@@ -84,6 +85,48 @@ def sequence_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     starts = (position_ids == 0).long()
     starts[:, 0] = 1
     return starts.cumsum(-1) - 1
+
+
+class LayerCollector:
+    """Per-layer outputs of one backbone pass for `output_hidden_states` / `output_attentions`, in Qwen3's convention:
+    hidden states = (embeddings, output of layer 1, …, output of layer L−1, final-normed output of layer L); attention
+    weights (B, H, T, S) per layer, which only the eager path computes (sdpa never returns them)."""
+
+    def __init__(self, want_hidden: bool, want_attentions: bool):
+        self.want_hidden = want_hidden
+        self.hidden: list = []
+        self.attentions: list | None = [] if want_attentions else None
+
+    @classmethod
+    def requested(cls, config, output_hidden_states, output_attentions) -> "LayerCollector | None":
+        want_hidden = bool(config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+        want_attn = bool(config.output_attentions if output_attentions is None else output_attentions)
+        if want_attn and config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions=True needs attn_implementation='eager' (got {config._attn_implementation!r}, which "
+                "never returns attention weights); load with attn_implementation='eager', or use "
+                "hf_loops.analysis.capture_trace"
+            )
+        return cls(want_hidden, want_attn) if want_hidden or want_attn else None
+
+    @contextlib.contextmanager
+    def attention_weights_of(self, layer, first_call_only: bool = False):
+        """Record the weights the layer's eager attention returns (the decoder layer itself drops them); with
+        `first_call_only`, only its first call's (a layer applied several times, e.g. SGT's Block Loop)."""
+        start = len(self.attentions)
+
+        def hook(_module, _inputs, out):
+            if not (first_call_only and len(self.attentions) > start):
+                self.attentions.append(out[1])
+
+        handle = layer.self_attn.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def hidden_states(self, final_normed: torch.Tensor) -> tuple:
+        return tuple(self.hidden) + (final_normed,)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

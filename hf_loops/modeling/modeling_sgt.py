@@ -46,7 +46,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_sgt import SGTConfig
-from .loop_utils import LoopCacheView, ensure_cache_slots, plain_attention_mask, positions_from_mask
+from .loop_utils import LayerCollector, LoopCacheView, ensure_cache_slots, plain_attention_mask, positions_from_mask
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Entropy statistic (§3)
@@ -417,7 +417,10 @@ class SGTModel(SGTPreTrainedModel):
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
-                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, output_attentions=None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """`output_hidden_states`: each layer's input and the final-normed output (Qwen3's convention; a looped
+        layer's loops happen inside it). `output_attentions` (eager only): each layer's first-pass weights."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -456,21 +459,40 @@ class SGTModel(SGTPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        collect = LayerCollector.requested(self.config, output_hidden_states, output_attentions)
         for i, layer in enumerate(self.layers):
-            mask = mask_mapping[self.config.layer_types[i]]
-            common = dict(attention_mask=mask, position_ids=position_ids, use_cache=use_cache,
-                          position_embeddings=position_embeddings)
-            if self.config.loop_mode == "block":
-                # Block Loop baseline: the whole block applied 1 + block_loop_depth times, one cache slot per repeat.
-                hidden_states = layer(hidden_states, cache=cache, **common, **kwargs)
-                for slot in slots[i]:
-                    view = LoopCacheView(cache, slot - i) if cache is not None else None
-                    hidden_states = layer(hidden_states, cache=view, **common, **kwargs)
-            else:
-                hidden_states = layer(hidden_states, cache=cache, loop_slots=slots[i], probe_rows=probe_rows,
-                                      **common, **kwargs)
+            if collect is not None:
+                collect.hidden.append(hidden_states)
+                if collect.attentions is not None:
+                    with collect.attention_weights_of(layer, first_call_only=True):
+                        hidden_states = self._layer_call(layer, i, hidden_states, mask_mapping, slots, cache,
+                                                         position_ids, use_cache, position_embeddings, probe_rows,
+                                                         **kwargs)
+                    continue
+            hidden_states = self._layer_call(layer, i, hidden_states, mask_mapping, slots, cache, position_ids,
+                                             use_cache, position_embeddings, probe_rows, **kwargs)
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, cache=cache if use_cache else None,
+            hidden_states=collect.hidden_states(hidden_states) if collect is not None and collect.want_hidden else None,
+            attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
+        )
+
+    def _layer_call(self, layer, i, hidden_states, mask_mapping, slots, cache, position_ids, use_cache,
+                    position_embeddings, probe_rows, **kwargs):
+        """One decoder layer with its loops (head loops inside the layer, or the Block Loop repeats)."""
+        common = dict(attention_mask=mask_mapping[self.config.layer_types[i]], position_ids=position_ids,
+                      use_cache=use_cache, position_embeddings=position_embeddings)
+        if self.config.loop_mode == "block":
+            # Block Loop baseline: the whole block applied 1 + block_loop_depth times, one cache slot per repeat.
+            hidden_states = layer(hidden_states, cache=cache, **common, **kwargs)
+            for slot in slots[i]:
+                view = LoopCacheView(cache, slot - i) if cache is not None else None
+                hidden_states = layer(hidden_states, cache=view, **common, **kwargs)
+        else:
+            hidden_states = layer(hidden_states, cache=cache, loop_slots=slots[i], probe_rows=probe_rows,
+                                  **common, **kwargs)
+        return hidden_states
 
 
 class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
@@ -487,15 +509,17 @@ class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> CausalLMOutputWithPast:
+                output_hidden_states=None, output_attentions=None, **kwargs) -> CausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             output_hidden_states=output_hidden_states, output_attentions=output_attentions, **kwargs)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 __all__ = ["SGTAttention", "SGTDecoderLayer", "SGTForCausalLM", "SGTModel", "SGTPreTrainedModel",

@@ -45,7 +45,14 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_spiralformer import SpiralFormerConfig
-from .loop_utils import LoopCacheView, additive_mask, ensure_cache_slots, plain_attention_mask, positions_from_mask
+from .loop_utils import (
+    LayerCollector,
+    LoopCacheView,
+    additive_mask,
+    ensure_cache_slots,
+    plain_attention_mask,
+    positions_from_mask,
+)
 
 _NEG = -1.0e30  # finite "−∞" for scores and the empty online-softmax max (keeps exp() exact zeros and no NaNs)
 
@@ -216,12 +223,6 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     # --- layer groups -------------------------------------------------------------------------------------------------
 
     @property
@@ -237,10 +238,12 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
     def post_layers(self):
         return self.layers[self.config.num_pre_layers + self.config.num_loop_layers :]
 
-    def _run(self, layers, h, mask, pos, cache, offset, use_cache, **kwargs):
+    def _run(self, layers, h, mask, pos, cache, offset, use_cache, collect=None, **kwargs):
         view = LoopCacheView(cache, offset) if cache is not None else None
         pos_emb = self.rotary_emb(h, pos)
         for layer in layers:
+            if collect is not None:
+                collect.hidden.append(h)
             h = layer(h, attention_mask=mask, position_ids=pos, cache=view, use_cache=use_cache,
                       position_embeddings=pos_emb, **kwargs)
         return h
@@ -477,10 +480,21 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """`output_hidden_states`: the full-resolution residual stream — the input of every pre layer, the token
+        stream after every resolution step, the input of every post layer, and the final-normed output (full
+        forward only). The loops' compressed latents and their attention come from `hf_loops.analysis.capture_trace`;
+        `output_attentions` is refused for that reason."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if output_attentions if output_attentions is not None else self.config.output_attentions:
+            raise ValueError("output_attentions is not supported by SpiralFormer: its loops attend over compressed "
+                             "latents of varying length; use hf_loops.analysis.capture_trace for attention maps")
+        want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        collect = LayerCollector(want_hidden=True, want_attentions=False) if want_hidden else None
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
             raise ValueError(
                 "SpiralFormer does not support packed (padding-free) batches: chunks would straddle documents"
@@ -521,28 +535,38 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         if past == 0 and attention_mask is None and L > 1 and bool((position_ids[:, 1:] <= position_ids[:, :-1]).any()):
             raise ValueError("SpiralFormer does not support packed (padding-free) batches: position_ids must increase")
 
+        if collect is not None and past > 0:
+            raise ValueError("output_hidden_states needs a full forward (no past cache) in SpiralFormer: decoding "
+                             "steps run the loops incrementally and have no per-layer stream to return")
         if past == 0:
-            h = self._forward_full(x, key_valid, position_ids, cache, use_cache, **kwargs)
+            h = self._forward_full(x, key_valid, position_ids, cache, use_cache, collect=collect, **kwargs)
         else:
             outs = []
             for i in range(L):  # extending a non-empty cache: one token at a time [D-16]
                 tok_valid = key_valid[:, : past + i + 1]
                 outs.append(self._forward_token(x[:, i : i + 1], tok_valid, position_ids[:, i], cache, **kwargs))
             h = torch.cat(outs, dim=1)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), cache=cache)
+        h = self.norm(h)
+        return BaseModelOutputWithPast(last_hidden_state=h, cache=cache,
+                                       hidden_states=collect.hidden_states(h) if collect is not None else None)
 
-    def _forward_full(self, x, key_valid, pos, cache, use_cache, force_gather=False, **kwargs):
+    def _forward_full(self, x, key_valid, pos, cache, use_cache, force_gather=False, collect=None, **kwargs):
         b, L, _ = x.shape
         valid = key_valid[:, -L:]
         aligned = bool(valid.all()) and bool((pos == torch.arange(L, device=x.device)).all())
         idx = torch.arange(L, device=x.device)
         tok_mask = additive_mask(((idx[None, :] <= idx[:, None])[None] & valid[:, None, :])[:, None], x.dtype)
-        h = self._run(self.pre_layers, x, tok_mask, pos, cache, self.layout.pre_offset(), use_cache, **kwargs)
-        h = self._topology_loop(
-            x, h, lambda h, t: self.spiral_step(h, t, pos, valid, aligned, cache, use_cache, force_gather=force_gather,
-                                                **kwargs)
-        )
-        return self._run(self.post_layers, h, tok_mask, pos, cache, self.layout.post_offset(), use_cache, **kwargs)
+        h = self._run(self.pre_layers, x, tok_mask, pos, cache, self.layout.pre_offset(), use_cache, collect,
+                      **kwargs)
+
+        def step(h, t):
+            if collect is not None and t > 0:
+                collect.hidden.append(h)  # the token stream after resolution step t − 1
+            return self.spiral_step(h, t, pos, valid, aligned, cache, use_cache, force_gather=force_gather, **kwargs)
+
+        h = self._topology_loop(x, h, step)
+        return self._run(self.post_layers, h, tok_mask, pos, cache, self.layout.post_offset(), use_cache, collect,
+                         **kwargs)
 
     def _topology_loop(self, x, h, step):
         """Run the T resolution steps on the pre-stack output `h`; `step(h, t)` returns iteration t's token update.
@@ -591,18 +615,6 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -615,6 +627,8 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         out = self.model(
@@ -624,13 +638,15 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
 
 __all__ = ["SpiralFormerPreTrainedModel", "SpiralFormerModel", "SpiralFormerForCausalLM"]

@@ -16,7 +16,6 @@ This file ships as Hub remote code: it imports only torch, transformers and its 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .cache_tah2 import CallStreams, StreamView, TaH2Cache
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
 from .loop_utils import (
+    LayerCollector,
     LoopCacheView,
     additive_mask,
     plain_attention_mask,
@@ -504,41 +504,6 @@ class _LoopSetup:
     full_logits: bool  # produce the (B, K, V) mixture
     synchronise: bool  # agree on the number of depth passes over data-parallel ranks
     use_cache: bool  # return the cache
-
-
-class LayerCollector:
-    """Per-layer outputs of one backbone pass for `output_hidden_states` / `output_attentions`, in Qwen3's convention:
-    hidden states = (embeddings, output of layer 1, …, output of layer L−1, final-normed output of layer L); attention
-    weights (B, H, T, S) per layer, which only the eager path computes (sdpa never returns them)."""
-
-    def __init__(self, want_hidden: bool, want_attentions: bool):
-        self.want_hidden = want_hidden
-        self.hidden: list = []
-        self.attentions: list | None = [] if want_attentions else None
-
-    @classmethod
-    def requested(cls, config, output_hidden_states, output_attentions) -> "LayerCollector | None":
-        want_hidden = bool(config.output_hidden_states if output_hidden_states is None else output_hidden_states)
-        want_attn = bool(config.output_attentions if output_attentions is None else output_attentions)
-        if want_attn and config._attn_implementation != "eager":
-            raise ValueError(
-                f"output_attentions=True needs attn_implementation='eager' (got {config._attn_implementation!r}, which "
-                "never returns attention weights); load with attn_implementation='eager', or use "
-                "hf_loops.analysis.capture_trace"
-            )
-        return cls(want_hidden, want_attn) if want_hidden or want_attn else None
-
-    @contextlib.contextmanager
-    def attention_weights_of(self, layer):
-        """Record the weights the layer's eager attention returns (the decoder layer itself drops them)."""
-        handle = layer.self_attn.register_forward_hook(lambda _m, _i, out: self.attentions.append(out[1]))
-        try:
-            yield
-        finally:
-            handle.remove()
-
-    def hidden_states(self, final_normed: torch.Tensor) -> tuple:
-        return tuple(self.hidden) + (final_normed,)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
