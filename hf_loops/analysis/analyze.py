@@ -275,200 +275,234 @@ def _progress(iterable, enabled: bool, desc: str):
     return tqdm(iterable, desc=desc, leave=False)
 
 
-def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_length, progress, name,
-                  max_depth_map_texts, groupings) -> dict:
-    from . import plots
+class _Accumulator:
+    """Per-step statistics summed over every analysed sequence (one trace at a time)."""
 
-    cfg = model.config
-    model_type = cfg.model_type
-    device = next(model.parameters()).device
-    encoded = [_encode(tokenizer, t) for t in texts]
-    encoded = [ids for ids in encoded if len(ids) >= 2]
-    if not encoded:
-        raise ValueError("every input text tokenises to fewer than 2 tokens")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    record = ("residual", "attention") if "attention" in metrics else ("residual",)
-    if model_type == "tah2" and recurrences is None:
-        recurrences = cfg.max_iterations  # every token forced to depth M: all steps exist for every sequence
+    def __init__(self, model, metrics, recurrences, max_length):
+        self.model, self.metrics = model, metrics
+        self.model_type = model.config.model_type
+        self.record = ("residual", "attention") if "attention" in metrics else ("residual",)
+        self.recurrences, self.max_length = recurrences, max_length
+        self.step_meta, self.att_mean, self.res_mean = {}, _Mean(), _Mean()
+        self.head_values = defaultdict(list)  # (stat, step key) → per-sequence (H,) values, for dynamic heads
+        self.succ, self.att_succ, self.att_sim, self.res_sim = _Mean(), _Mean(), _Mean(), _Mean()
+        self.att_sim_labels = self.res_sim_labels = None
+        self.cross_iter, self.truncated, self.R = [], 0, None
 
-    step_meta, att_mean, res_mean = {}, _Mean(), _Mean()
-    head_values = defaultdict(list)  # (stat, step key) → per-sequence (H,) values, for dynamic heads
-    succ, att_succ = _Mean(), _Mean()
-    att_sim, res_sim = _Mean(), _Mean()
-    att_sim_labels, res_sim_labels = None, None
-    cross_iter = []
-    truncated = 0
-    R = None
-    for ids in _progress(encoded, progress, "analyze"):
-        x = torch.tensor([ids], device=device)
-        trace = capture_trace(model, x, num_recurrences=recurrences, max_length=max_length, record=record)
-        truncated += int(trace.truncated)
-        R = trace.num_recurrences
+    def add(self, ids, device) -> None:
+        trace = capture_trace(self.model, torch.tensor([ids], device=device), num_recurrences=self.recurrences,
+                              max_length=self.max_length, record=self.record)
+        self.truncated += int(trace.truncated)
+        self.R = trace.num_recurrences
         for s in trace.steps:
-            key = _step_key(s)
-            step_meta.setdefault(key, {"stage": s.stage, "recurrence": s.recurrence, "layer": s.layer,
-                                       "physical_layer": s.physical_layer, "label": s.label,
-                                       "resolution": s.resolution, "index": s.index,
-                                       "heads": list(s.attention.heads) if s.attention is not None else None})
-            if s.residual is not None and "residual" in metrics:
-                norms = rm.residual_norm(s.residual, s.valid)
-                res_mean.add((key, "norm_mean"), norms["mean"])
-                res_mean.add((key, "norm_first"), norms["first"])
-                res_mean.add((key, "matrix_entropy"), rm.matrix_entropy(s.residual, s.valid, normalized=True))
-            if s.attention is not None:
-                stats, A = _attention_stats(s)
-                for stat, v in stats.items():
-                    att_mean.add((key, stat), v)
-                    if stat in ("key_marginal_entropy", "local_attention_mass") and s.stage == "loop":
-                        head_values[(stat, key)].append(v)
-                if (model_type == "tah2" and s.recurrence == R and s.attention.key_iter is not None):
-                    mean, _ = am.cross_iteration_mass(A, s.attention.key_iter, num_streams=R, **s.attention.masks())
-                    cross_iter.append((s.layer, mean))
-        if "residual" in metrics:
-            for ell in trace.loop_layers:
-                try:
-                    X, v = trace.loop_residuals(ell)
-                except ValueError:
-                    continue
-                if X.shape[0] > 1:
-                    for kind in ("l2", "relative", "cosine"):
-                        succ.add((ell, kind), rm.successive_difference(X, v, kind))
-            residual_steps = [s for s in trace.steps if s.residual is not None]
-            labels = [s.label for s in residual_steps]
-            if res_sim_labels in (None, labels):
-                res_sim_labels = labels
-                res_sim.add("m", rm.residual_similarity_matrix([s.residual for s in residual_steps],
-                                                               [s.valid for s in residual_steps]))
-        if "attention" in metrics:
-            for ell, steps in trace.by_layer().items():
-                steps = [s for s in steps if s.attention is not None]
-                if len(steps) > 1 and len({s.attention.shape for s in steps}) == 1:
-                    ws = am.common_head_weights([s.attention for s in steps])
-                    m = steps[0].attention.masks()
-                    m.pop("visible")
-                    d = [am.attention_distance(ws[t], ws[t - 1], **m) for t in range(1, len(ws))]
-                    att_succ.add(ell, torch.stack(d))
+            self._add_step(s)
+        if "residual" in self.metrics:
+            self._add_residual_dynamics(trace)
+        if "attention" in self.metrics:
+            self._add_attention_dynamics(trace)
+
+    def _add_step(self, s) -> None:
+        key = _step_key(s)
+        self.step_meta.setdefault(key, {"stage": s.stage, "recurrence": s.recurrence, "layer": s.layer,
+                                        "physical_layer": s.physical_layer, "label": s.label,
+                                        "resolution": s.resolution, "index": s.index,
+                                        "heads": list(s.attention.heads) if s.attention is not None else None})
+        if s.residual is not None and "residual" in self.metrics:
+            norms = rm.residual_norm(s.residual, s.valid)
+            self.res_mean.add((key, "norm_mean"), norms["mean"])
+            self.res_mean.add((key, "norm_first"), norms["first"])
+            self.res_mean.add((key, "matrix_entropy"), rm.matrix_entropy(s.residual, s.valid, normalized=True))
+        if s.attention is not None:
+            stats, A = _attention_stats(s)
+            for stat, v in stats.items():
+                self.att_mean.add((key, stat), v)
+                if stat in ("key_marginal_entropy", "local_attention_mass") and s.stage == "loop":
+                    self.head_values[(stat, key)].append(v)
+            if self.model_type == "tah2" and s.recurrence == self.R and s.attention.key_iter is not None:
+                mean, _ = am.cross_iteration_mass(A, s.attention.key_iter, num_streams=self.R, **s.attention.masks())
+                self.cross_iter.append((s.layer, mean))
+
+    def _add_residual_dynamics(self, trace) -> None:
+        for ell in trace.loop_layers:
             try:
-                D, labels = am.attention_similarity_matrix(trace)
-                if len(labels) > 1 and att_sim_labels in (None, labels):
-                    att_sim_labels = labels
-                    att_sim.add("m", D)
+                X, v = trace.loop_residuals(ell)
             except ValueError:
-                pass
+                continue
+            if X.shape[0] > 1:
+                for kind in ("l2", "relative", "cosine"):
+                    self.succ.add((ell, kind), rm.successive_difference(X, v, kind))
+        residual_steps = [s for s in trace.steps if s.residual is not None]
+        labels = [s.label for s in residual_steps]
+        if self.res_sim_labels in (None, labels):
+            self.res_sim_labels = labels
+            self.res_sim.add("m", rm.residual_similarity_matrix([s.residual for s in residual_steps],
+                                                                [s.valid for s in residual_steps]))
 
-    figures: dict[str, str] = {}
-    findings: dict = {}
-    result: dict = {"model": {"name": name, "model_type": model_type, "recurrences": R,
-                              "num_hidden_layers": cfg.num_hidden_layers},
-                    "inputs": {"sequences": len(encoded), "truncated_to_max_length": truncated,
-                               "mean_tokens": sum(min(len(e), max_length) for e in encoded) / len(encoded),
-                               "max_length": max_length, "bos_prepended": bool(bos is not None and
-                                                                                encoded[0][0] == bos)}}
+    def _add_attention_dynamics(self, trace) -> None:
+        for ell, steps in trace.by_layer().items():
+            steps = [s for s in steps if s.attention is not None]
+            if len(steps) > 1 and len({s.attention.shape for s in steps}) == 1:
+                ws = am.common_head_weights([s.attention for s in steps])
+                m = steps[0].attention.masks()
+                m.pop("visible")
+                d = [am.attention_distance(ws[t], ws[t - 1], **m) for t in range(1, len(ws))]
+                self.att_succ.add(ell, torch.stack(d))
+        try:
+            D, labels = am.attention_similarity_matrix(trace)
+            if len(labels) > 1 and self.att_sim_labels in (None, labels):
+                self.att_sim_labels = labels
+                self.att_sim.add("m", D)
+        except ValueError:
+            pass
 
-    def save(fig_table, stem, description):
-        fig, table = fig_table
-        plots.save_figure(fig, os.path.join(out, stem))
-        figures[stem] = description
-        return table
+    @property
+    def keys(self) -> list:
+        return sorted(self.step_meta, key=lambda k: self.step_meta[k]["index"])
 
-    keys = sorted(step_meta, key=lambda k: step_meta[k]["index"])
-    step_rows = []
-    for k in keys:
-        row = dict(step_meta[k])
-        row["attention"] = {stat: _tolist(att_mean.get((k, stat))) for stat in ATTENTION_STATS
-                            if att_mean.get((k, stat)) is not None}
-        row["residual"] = {stat: _tolist(res_mean.get((k, stat))) for stat in RESIDUAL_STATS
-                           if res_mean.get((k, stat)) is not None}
-        step_rows.append(row)
-    result["steps"] = step_rows
-
-    def table_of(getter, stat):
+    def step_rows(self) -> list[dict]:
         rows = []
-        for i, k in enumerate(keys):
+        for k in self.keys:
+            row = dict(self.step_meta[k])
+            row["attention"] = {stat: _tolist(self.att_mean.get((k, stat))) for stat in ATTENTION_STATS
+                                if self.att_mean.get((k, stat)) is not None}
+            row["residual"] = {stat: _tolist(self.res_mean.get((k, stat))) for stat in RESIDUAL_STATS
+                               if self.res_mean.get((k, stat)) is not None}
+            rows.append(row)
+        return rows
+
+    def table_of(self, getter, stat) -> list[dict]:
+        rows = []
+        for i, k in enumerate(self.keys):
             v = getter((k, stat))
             if v is None:
                 continue
-            m = step_meta[k]
+            m = self.step_meta[k]
             rows.append({"step": i, "stage": m["stage"], "recurrence": m["recurrence"], "layer": m["layer"],
                          "value": float(v.mean())})
         return rows
 
-    if not R or R <= 1:
+
+class _Figures:
+    """Writes each figure (PNG + SVG) into the output folder and remembers what it shows, for report.md."""
+
+    def __init__(self, out: str):
+        from . import plots
+
+        self.out, self.plots, self.described = out, plots, {}
+
+    def __call__(self, fig_table, stem, description):
+        fig, table = fig_table
+        self.plots.save_figure(fig, os.path.join(self.out, stem))
+        self.described[stem] = description
+        return table
+
+
+def _attention_figures(acc: _Accumulator, save: _Figures, groupings, result, findings) -> None:
+    plots = save.plots
+    for stat, desc in ATTENTION_STATS.items():
+        rows = acc.table_of(acc.att_mean.get, stat)
+        for g in groupings if rows else ():
+            save(plots.plot_metric(rows, g, ylabel=stat), f"{stat}_{g}",
+                 f"{desc} per realised step, mean over heads and sequences, grouping '{g}'")
+    _coarse_to_fine(result, findings, save, plots, acc.step_meta, acc.head_values, acc.keys)
+    if acc.att_succ.keys():
+        rows = [{"step": t, "stage": "loop", "recurrence": t, "layer": ell, "value": v}
+                for ell in acc.att_succ.keys() for t, v in enumerate(acc.att_succ.get(ell).tolist(), start=2)]
+        result["attention_distance_successive"] = {str(ell): _tolist(acc.att_succ.get(ell))
+                                                   for ell in acc.att_succ.keys()}
+        save(plots.plot_metric(rows, "layer", ylabel="‖A_t − A_{t−1}‖_F"), "attention_distance_successive",
+             "Frobenius distance between a layer's attention at recurrence t and t − 1 (paper Fig. 25)")
+    if acc.att_sim.keys():
+        D = acc.att_sim.get("m")
+        labels = [f"l{ell}.t{t}" for ell, t in acc.att_sim_labels]
+        result["attention_similarity_matrix"] = {"labels": labels, "matrix": _tolist(D)}
+        save(plots.plot_matrix(D.tolist(), labels, "attention distance matrix (loop steps)", "‖A − A'‖_F"),
+             "attention_similarity_matrix",
+             "cyclic similarity matrix of attention over all loop steps; diagonal bands = cyclic convergence")
+    if acc.cross_iter:
+        _cross_iteration_figure(acc, save, result)
+
+
+def _cross_iteration_figure(acc: _Accumulator, save: _Figures, result) -> None:
+    R = acc.R
+    per = torch.stack([m for _, m in acc.cross_iter]).mean(1)  # (n, H, S) → mean over heads: (n, S)
+    mean, std = per.mean(0), (per.std(0) if per.shape[0] > 1 else torch.zeros(per.shape[1]))
+    per_head = {}
+    for ell, m in acc.cross_iter:
+        per_head.setdefault(ell, []).append(m)
+    result["cross_iteration_mass"] = {
+        "query_depth": R, "mean": _tolist(mean), "std": _tolist(std),
+        "per_layer_head": {str(ell): _tolist(torch.stack(v).mean(0)) for ell, v in per_head.items()},
+    }
+    save(save.plots.plot_bars([f"stream {j + 1}" for j in range(len(mean))], mean.tolist(), std.tolist(),
+                              f"attention mass per key stream, queries at depth {R}", "mass"),
+         "cross_iteration_mass", "TaH2: attention mass of depth-R queries on each key stream (mean ± sd)")
+
+
+def _residual_figures(acc: _Accumulator, save: _Figures, groupings, result) -> None:
+    plots = save.plots
+    for stat, desc in RESIDUAL_STATS.items():
+        rows = acc.table_of(acc.res_mean.get, stat)
+        for g in groupings if rows else ():
+            save(plots.plot_metric(rows, g, ylabel=stat), f"residual_{stat}_{g}",
+                 f"{desc} after every realised step, grouping '{g}'")
+    if acc.succ.keys():
+        result["successive_difference"] = {}
+        for kind in ("l2", "relative", "cosine"):
+            rows = []
+            for ell, k in acc.succ.keys():
+                if k != kind:
+                    continue
+                vals = acc.succ.get((ell, kind)).tolist()
+                result["successive_difference"].setdefault(str(ell), {})[kind] = vals
+                rows += [{"step": t, "stage": "loop", "recurrence": t, "layer": ell, "value": v}
+                         for t, v in enumerate(vals, start=2)]
+            save(plots.plot_metric(rows, "layer", ylabel=f"successive {kind}"), f"residual_successive_{kind}",
+                 f"residual successive {kind} difference X_t vs X_(t−1) per loop layer (paper Figs. 3, 24)")
+    if acc.res_sim.keys():
+        D = acc.res_sim.get("m")
+        result["residual_similarity_matrix"] = {"labels": acc.res_sim_labels, "matrix": _tolist(D)}
+        save(plots.plot_matrix(D.tolist(), acc.res_sim_labels, "residual cosine similarity", "cos"),
+             "residual_similarity_matrix", "cosine similarity of mean residuals after every realised step "
+                                           "(paper Fig. 19)")
+
+
+def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_length, progress, name,
+                  max_depth_map_texts, groupings) -> dict:
+    """Trace every text, then write the figures, metrics.json and report.md into `out`."""
+    cfg = model.config
+    device = next(model.parameters()).device
+    encoded = [ids for ids in (_encode(tokenizer, t) for t in texts) if len(ids) >= 2]
+    if not encoded:
+        raise ValueError("every input text tokenises to fewer than 2 tokens")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if cfg.model_type == "tah2" and recurrences is None:
+        recurrences = cfg.max_iterations  # every token forced to depth M: all steps exist for every sequence
+    acc = _Accumulator(model, metrics, recurrences, max_length)
+    for ids in _progress(encoded, progress, "analyze"):
+        acc.add(ids, device)
+
+    save, findings = _Figures(out), {}
+    result: dict = {"model": {"name": name, "model_type": cfg.model_type, "recurrences": acc.R,
+                              "num_hidden_layers": cfg.num_hidden_layers},
+                    "inputs": {"sequences": len(encoded), "truncated_to_max_length": acc.truncated,
+                               "mean_tokens": sum(min(len(e), max_length) for e in encoded) / len(encoded),
+                               "max_length": max_length,
+                               "bos_prepended": bool(bos is not None and encoded[0][0] == bos)},
+                    "steps": acc.step_rows()}
+    if not acc.R or acc.R <= 1:
         groupings = ("none",)  # one pass: the recurrence and layer groupings have nothing to show
     if "attention" in metrics:
-        for stat, desc in ATTENTION_STATS.items():
-            rows = table_of(att_mean.get, stat)
-            if not rows:
-                continue
-            for g in groupings:
-                save(plots.plot_metric(rows, g, ylabel=stat), f"{stat}_{g}",
-                     f"{desc} per realised step, mean over heads and sequences, grouping '{g}'")
-        _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
-        if att_succ.keys():
-            rows = []
-            for ell in att_succ.keys():
-                for t, v in enumerate(att_succ.get(ell).tolist(), start=2):
-                    rows.append({"step": t, "stage": "loop", "recurrence": t, "layer": ell, "value": v})
-            result["attention_distance_successive"] = {str(ell): _tolist(att_succ.get(ell)) for ell in att_succ.keys()}
-            save(plots.plot_metric(rows, "layer", ylabel="‖A_t − A_{t−1}‖_F"), "attention_distance_successive",
-                 "Frobenius distance between a layer's attention at recurrence t and t − 1 (paper Fig. 25)")
-        if att_sim.keys():
-            D = att_sim.get("m")
-            labels = [f"l{ell}.t{t}" for ell, t in att_sim_labels]
-            result["attention_similarity_matrix"] = {"labels": labels, "matrix": _tolist(D)}
-            save(plots.plot_matrix(D.tolist(), labels, "attention distance matrix (loop steps)", "‖A − A'‖_F"),
-                 "attention_similarity_matrix",
-                 "cyclic similarity matrix of attention over all loop steps; diagonal bands = cyclic convergence")
-        if cross_iter:
-            by_stream = torch.stack([m for _, m in cross_iter])  # (n, H, S)
-            per = by_stream.mean(1)  # mean over heads: (n, S)
-            mean, std = per.mean(0), (per.std(0) if per.shape[0] > 1 else torch.zeros(per.shape[1]))
-            per_head = {}
-            for ell, m in cross_iter:
-                per_head.setdefault(ell, []).append(m)
-            result["cross_iteration_mass"] = {
-                "query_depth": R, "mean": _tolist(mean), "std": _tolist(std),
-                "per_layer_head": {str(ell): _tolist(torch.stack(v).mean(0)) for ell, v in per_head.items()},
-            }
-            save(plots.plot_bars([f"stream {j + 1}" for j in range(len(mean))], mean.tolist(), std.tolist(),
-                                 f"attention mass per key stream, queries at depth {R}", "mass"),
-                 "cross_iteration_mass", "TaH2: attention mass of depth-R queries on each key stream (mean ± sd)")
-
+        _attention_figures(acc, save, groupings, result, findings)
     if "residual" in metrics:
-        for stat, desc in RESIDUAL_STATS.items():
-            rows = table_of(res_mean.get, stat)
-            if rows:
-                for g in groupings:
-                    save(plots.plot_metric(rows, g, ylabel=stat), f"residual_{stat}_{g}",
-                         f"{desc} after every realised step, grouping '{g}'")
-        if succ.keys():
-            result["successive_difference"] = {}
-            for kind in ("l2", "relative", "cosine"):
-                rows = []
-                for ell, k in succ.keys():
-                    if k != kind:
-                        continue
-                    vals = succ.get((ell, kind)).tolist()
-                    result["successive_difference"].setdefault(str(ell), {})[kind] = vals
-                    rows += [{"step": t, "stage": "loop", "recurrence": t, "layer": ell, "value": v}
-                             for t, v in enumerate(vals, start=2)]
-                save(plots.plot_metric(rows, "layer", ylabel=f"successive {kind}"), f"residual_successive_{kind}",
-                     f"residual successive {kind} difference X_t vs X_(t−1) per loop layer (paper Figs. 3, 24)")
-        if res_sim.keys():
-            D = res_sim.get("m")
-            result["residual_similarity_matrix"] = {"labels": res_sim_labels, "matrix": _tolist(D)}
-            save(plots.plot_matrix(D.tolist(), res_sim_labels, "residual cosine similarity", "cos"),
-                 "residual_similarity_matrix", "cosine similarity of mean residuals after every realised step "
-                                               "(paper Fig. 19)")
-
+        _residual_figures(acc, save, groupings, result)
     if "fixed_point" in metrics:
-        _fixed_points(model, encoded, t_fp, device, progress, result, findings, save, plots,
+        _fixed_points(model, encoded, t_fp, device, progress, result, findings, save, save.plots,
                       with_attention="attention" in metrics, max_length=max_length)
-    if "depth" in metrics and model_type == "tah2":
-        _tah2_depth(model, tokenizer, encoded, device, progress, result, findings, save, plots, out,
-                    max_depth_map_texts, figures)
-
-    result["figures"] = figures
+    if "depth" in metrics and cfg.model_type == "tah2":
+        _tah2_depth(model, tokenizer, encoded, device, progress, result, findings, save, save.plots, out,
+                    max_depth_map_texts, save.described)
+    result["figures"] = save.described
     result["findings"] = findings
     with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(result, f, indent=1, default=_tolist)
