@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import torch
@@ -12,6 +11,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.utils import logging as hf_logging
 
 from ..modeling.tah2_official import is_official_tah2_dir
+from .checks import check_safetensors_files, load_tokenizer, read_json_file
 from .hub import resolve_source_dir
 from .registry import get_architecture
 
@@ -31,8 +31,8 @@ def _read_source_config(source_dir: str) -> dict:
     path = os.path.join(source_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{source_dir!r} is not a checkpoint directory: config.json is missing")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_json_file(path)
+    check_safetensors_files(source_dir)
     if cfg.get("model_type") != "qwen3":
         raise ValueError(
             f"convert_qwen3 expects a Qwen3 checkpoint (model_type 'qwen3'); {source_dir!r} has model_type "
@@ -44,15 +44,12 @@ def _read_source_config(source_dir: str) -> dict:
 def _load_tokenizer(tokenizer, source_dir: str | None):
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
-    path = os.fspath(tokenizer) if tokenizer is not None else source_dir
-    if path is None:
-        return None
-    if tokenizer is None and not any(os.path.isfile(os.path.join(path, f))
+    if tokenizer is not None:
+        return load_tokenizer(os.fspath(tokenizer), "tokenizer")
+    if source_dir is None or not any(os.path.isfile(os.path.join(source_dir, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(source_dir, "the source's tokenizer")
 
 
 def load_source_tokenizer(source, tokenizer=None):
@@ -119,7 +116,7 @@ def cast_model(model, dtype: torch.dtype):
 
 def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokenizer=None, calibration=None,
                   layer_map: dict | None = None, core_init: str = "select", allow_pickle: bool = False,
-                  **config_overrides) -> PreTrainedModel:
+                  seed: int | None = None, **config_overrides) -> PreTrainedModel:
     """Convert a Qwen3 causal LM into a looped architecture.
 
     Args:
@@ -134,10 +131,26 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
         layer_map, core_init: SpiralFormer only: which source layers become pre / core / post (see
             `hf_loops.conversion.spiralformer`); or give `num_pre_layers`/`num_loop_layers`/`num_post_layers`.
         allow_pickle: official TaH2 import only: let the `.bin` components fall back to full pickle.
+        seed: the seed of the freshly initialised modules (TaH2's updater and decider, SpiralFormer's routers, ...):
+            the same seed gives the same model. They are drawn inside `torch.random.fork_rng`, so the caller's global
+            RNG state is left as it was. None (default): drawn from the global torch RNG, as `nn.Module` init does.
         **config_overrides: fields of the target config, e.g. `max_iterations=3, exit_threshold=0.6`.
 
     Returns the converted model: Qwen3 weights under their own names, new modules freshly initialised.
     """
+    if seed is None:
+        return _convert_qwen3(source, arch, dtype, tokenizer, calibration, layer_map, core_init, allow_pickle,
+                              config_overrides)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _convert_qwen3(source, arch, dtype, tokenizer, calibration, layer_map, core_init, allow_pickle,
+                              config_overrides)
+
+
+def _convert_qwen3(source, arch, dtype, tokenizer, calibration, layer_map, core_init, allow_pickle,
+                   config_overrides) -> PreTrainedModel:
     config_cls, model_cls = get_architecture(arch)
     if arch != "spiralformer" and (layer_map is not None or core_init != "select"):
         raise ValueError("layer_map and core_init apply to arch 'spiralformer' only")
@@ -149,6 +162,7 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
         if arch == "tah2" and is_official_tah2_dir(source_dir):
             from .tah2_official import import_tah2
 
+            check_safetensors_files(source_dir)
             model = import_tah2(source_dir, allow_pickle=allow_pickle, **config_overrides)
             return cast_model(model, dtype) if dtype is not None else model
 

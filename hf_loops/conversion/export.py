@@ -6,30 +6,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import shutil
-import tempfile
 
 from transformers import GenerationConfig, PreTrainedModel
 
+from .outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, move_files_into, remove_stale_exports
 
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str, what: str = "export"):
-    """Yield a temporary sibling of `out_dir` to write into; on success it is moved into place, on any failure it is
-    removed, so `out_dir` is never left half-written. `out_dir` must not exist or be empty."""
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"{what} out_dir {out_dir!r} exists and is not empty")
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".hf_loops_export_", dir=parent)
-    try:
-        yield tmp
-        if os.path.exists(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
+__all__ = ["TMP_PREFIX", "atomic_output_dir", "check_output_dir", "export", "move_files_into", "remote_code_saving",
+           "remove_stale_exports"]
 
 def _auto_map_entry(cls: type) -> str:
     return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"

@@ -83,9 +83,20 @@ def _one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
     return None, f"no 1-loop form known for model_type {arch!r}"
 
 
+def _check_finite(logits: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise ValueError(
+            f"the converted model's {what} contain {bad} NaN/inf values: the source weights hold NaN or inf (or "
+            "overflow in this dtype); expected finite logits (pass --no-parity to export without this check)"
+        )
+
+
 @torch.no_grad()
 def conversion_report(source, model, tokenizer=None, source_name: str | None = None) -> dict:
-    """Parameter counts (source, new, added) and the 1-loop parity max-abs-diff on a few prompts."""
+    """Parameter counts (source, new, added) and the 1-loop parity max-abs-diff on a few prompts.
+
+    NaN or inf in the converted model's parity logits → `ValueError` (a parity of "nan" is not a result)."""
     src_params, params = count_parameters(source), count_parameters(model)
     report = {"source": source_name, "source_params": src_params, "params": params,
               "added_params": params - src_params, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
@@ -98,8 +109,10 @@ def conversion_report(source, model, tokenizer=None, source_name: str | None = N
         for ids in inputs:
             ids = ids.to(device)
             ours, note = _one_loop_logits(model, ids, source.config.num_hidden_layers)
-            if ours is None:
+            if ours is None:  # no 1-loop form: the converted model's own logits must still be finite
+                _check_finite(model(ids, use_cache=False).logits, "logits")
                 break
+            _check_finite(ours, "1-loop parity logits")
             ref = source(ids, use_cache=False).logits
             diffs.append(float((ours.float() - ref.float()).abs().max()))
     finally:

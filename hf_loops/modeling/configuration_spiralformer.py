@@ -46,7 +46,8 @@ class SpiralFormerConfig(Qwen3Config):
         num_pre_layers, num_loop_layers, num_post_layers (`int`): the split of the physical layers; they must add up
             to `num_hidden_layers`. When all three are None the split is derived from `num_hidden_layers`
             (pre = post = num_hidden_layers // 4, core = the rest).
-        chunk_sizes (`list[int]`, [8, 4, 2, 1]): chunk size g_t of every loop iteration, coarse → fine; T = its length.
+        chunk_sizes (`list[int]`, [8, 4, 2, 1]): chunk size g_t of every loop iteration, coarse → fine (non-increasing);
+            T = its length.
         downscale (`str`, "self_aggregation"): tokens → chunk latent: learned within-chunk softmax or "mean".
         upscale (`str`, "output_dependent"): latent → tokens: learned allocation over the g readers or "uniform".
         topology (`str`, "mesh"): state carrier across iterations: MeSH slot buffer or "anchor" (h0 + update).
@@ -94,6 +95,11 @@ class SpiralFormerConfig(Qwen3Config):
                 raise ValueError(
                     f"SpiralFormerConfig.chunk_sizes must contain integers >= 1 only, got {self.chunk_sizes!r}"
                 )
+        if any(a < b for a, b in zip(self.chunk_sizes, self.chunk_sizes[1:])):
+            raise ValueError(
+                "SpiralFormerConfig.chunk_sizes must run coarse → fine (non-increasing, e.g. [8, 4, 2, 1]), "
+                f"got {self.chunk_sizes!r}"
+            )
 
         counts = (self.num_pre_layers, self.num_loop_layers, self.num_post_layers)
         if all(c is None for c in counts) and isinstance(self.num_hidden_layers, int):

@@ -77,8 +77,15 @@ def load_component(path: str, allow_pickle: bool = False) -> dict:
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"official TaH2 checkpoint: {os.path.basename(path)} is missing in {os.path.dirname(path)!r}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f"line {err.lineno}, column {err.colno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else err.reason
+        raise ValueError(f"{path!r}: invalid JSON at {where}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path!r}: expected a JSON object {{...}}, got a JSON {type(value).__name__}")
+    return value
 
 
 def _flag(init_args: dict, key: str, state: dict, state_key: str) -> bool:
