@@ -76,3 +76,30 @@ def test_training_exports_the_public_names():
 
     with pytest.raises(AttributeError):
         training.NoSuchThing  # noqa: B018
+
+
+def test_spiralformer_derives_the_depth_from_the_three_counts_and_validates_choices():
+    from hf_loops import SpiralFormerConfig
+
+    cfg = SpiralFormerConfig(num_pre_layers=1, num_loop_layers=2, num_post_layers=1)
+    assert cfg.num_hidden_layers == 4 and len(cfg.layer_types) == 4
+    assert SpiralFormerConfig(num_hidden_layers=8).num_loop_layers == 4  # depth given: the counts are derived
+    with pytest.raises(ValueError, match=r"num_hidden_layers must equal .* = 4, got 5"):
+        SpiralFormerConfig(num_hidden_layers=5, num_pre_layers=1, num_loop_layers=2, num_post_layers=1)
+    with pytest.raises(ValueError, match=r"SpiralFormerConfig\.topology must be one of \['mesh', 'anchor'\]"):
+        SpiralFormerConfig(topology="ring")
+
+
+def test_convert_qwen3_rejects_unknown_fields_and_accepts_qwen3_overrides():
+    from conftest import tiny_qwen3_config
+    from transformers import Qwen3ForCausalLM
+
+    from hf_loops.conversion import convert_qwen3
+
+    torch.manual_seed(0)
+    qwen = Qwen3ForCausalLM(tiny_qwen3_config()).eval()
+    with pytest.raises(ValueError, match="did you mean max_iterations"):
+        convert_qwen3(qwen, "tah2", max_iteration=3)
+    with pytest.raises(ValueError, match="did you mean num_pre_layers"):
+        convert_qwen3(qwen, "spiralformer", num_pre_layer=1)
+    assert convert_qwen3(qwen, "tah2", max_position_embeddings=4096).config.max_position_embeddings == 4096

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel, Qwen3ForCausalLM
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.utils import logging as hf_logging
 
+from ..modeling.loop_utils import check_known_keys
 from ..modeling.tah2_official import is_official_tah2_dir
 from .checks import check_safetensors_files, load_tokenizer, read_json_file
 from .hub import resolve_source_dir
@@ -152,6 +153,8 @@ def convert_qwen3(source, arch: str, dtype: torch.dtype | None = None, *, tokeni
 def _convert_qwen3(source, arch, dtype, tokenizer, calibration, layer_map, core_init, allow_pickle,
                    config_overrides) -> PreTrainedModel:
     config_cls, model_cls = get_architecture(arch)
+    # A misspelt field would otherwise be written verbatim into config.json and silently ignored.
+    check_known_keys(config_cls, config_overrides, what="field")
     if arch != "spiralformer" and (layer_map is not None or core_init != "select"):
         raise ValueError("layer_map and core_init apply to arch 'spiralformer' only")
     if arch != "sgt" and calibration is not None:
@@ -173,7 +176,7 @@ def _convert_qwen3(source, arch, dtype, tokenizer, calibration, layer_map, core_
         model = convert_spiralformer(qwen, layer_map=layer_map, core_init=core_init, **config_overrides)
     elif isinstance(source, PreTrainedModel):
         _check_qwen3_model(source)
-        config = config_cls(**qwen3_config_fields(source.config), **config_overrides)
+        config = config_cls(**{**qwen3_config_fields(source.config), **config_overrides})
         src_dtype = next(source.parameters()).dtype
         model = cast_model(model_cls(config), src_dtype)
         state = source.state_dict()
@@ -184,7 +187,7 @@ def _convert_qwen3(source, arch, dtype, tokenizer, calibration, layer_map, core_
             model.tie_weights()
     elif source_dir is not None:
         cfg = _read_source_config(source_dir)
-        config = config_cls(**qwen3_config_fields(cfg), **config_overrides)
+        config = config_cls(**{**qwen3_config_fields(cfg), **config_overrides})
         try:
             with _quiet_loading():  # the new modules are expected to be missing; the key report is checked below
                 model, info = model_cls.from_pretrained(source_dir, config=config, output_loading_info=True,

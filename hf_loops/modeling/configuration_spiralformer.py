@@ -8,17 +8,14 @@ grows `cache.layers` to that size itself.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-DOWNSCALES = ("self_aggregation", "mean")
-UPSCALES = ("output_dependent", "uniform")
-TOPOLOGIES = ("mesh", "anchor")
-SHIFTS = ("overlap", "no_overlap")
-CHUNK_OFFSETS = ("half", "zero")
-SHIFT_FRAMES = ("literal", "padded")
-LATENT_POSITIONS = ("chunk_index", "last_token", "chunk_start")
-CORE_OUTPUTS = ("state", "delta")
-ROUTER_INITS = ("default", "identity")
+from .loop_utils import check_choice_fields, check_int_field, literal_choices
+
+QWEN3_DEFAULT_NUM_LAYERS = Qwen3Config.num_hidden_layers
+
 
 # Baselines of the paper as configurations (spec §11); layer counts are left to the caller.
 SPIRALFORMER_PRESETS: dict[str, dict] = {
@@ -26,16 +23,6 @@ SPIRALFORMER_PRESETS: dict[str, dict] = {
     "spiral-l": {"chunk_sizes": [16, 8, 4, 2]},
     "looped": {"chunk_sizes": [1, 1]},
 }
-
-
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"SpiralFormerConfig.{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"SpiralFormerConfig.{name} must be an integer >= {minimum}, got {value!r}")
 
 
 class SpiralFormerConfig(Qwen3Config):
@@ -68,20 +55,41 @@ class SpiralFormerConfig(Qwen3Config):
     num_loop_layers: int | None = None
     num_post_layers: int | None = None
     chunk_sizes: list[int] | None = None
-    downscale: str = "self_aggregation"
-    upscale: str = "output_dependent"
-    topology: str = "mesh"
+    downscale: Literal["self_aggregation", "mean"] = "self_aggregation"
+    upscale: Literal["output_dependent", "uniform"] = "output_dependent"
+    topology: Literal["mesh", "anchor"] = "mesh"
     mesh_slots: int | None = None
-    shift: str = "overlap"
-    chunk_offset: str = "half"
-    shift_frame: str = "literal"
-    latent_positions: str = "chunk_index"
-    core_output: str = "state"
-    router_init: str = "default"
+    shift: Literal["overlap", "no_overlap"] = "overlap"
+    chunk_offset: Literal["half", "zero"] = "half"
+    shift_frame: Literal["literal", "padded"] = "literal"
+    latent_positions: Literal["chunk_index", "last_token", "chunk_start"] = "chunk_index"
+    core_output: Literal["state", "delta"] = "state"
+    router_init: Literal["default", "identity"] = "default"
     scale_embeddings: bool = False
     depth_scaled_init: bool = True
 
     def __post_init__(self, **kwargs):
+        counts = (self.num_pre_layers, self.num_loop_layers, self.num_post_layers)
+        if (self.num_hidden_layers == QWEN3_DEFAULT_NUM_LAYERS
+                and all(isinstance(c, int) and not isinstance(c, bool) for c in counts)):
+            # The three counts given without num_hidden_layers: derive the total rather than disagree with the
+            # inherited default (a config that states num_hidden_layers = 32 explicitly and other counts is
+            # indistinguishable and gets the derived total too).
+            self.num_hidden_layers = sum(counts)
+        self.check_loop_fields()
+        super().__post_init__(**kwargs)
+        if self.use_sliding_window:
+            raise ValueError("SpiralFormerConfig.use_sliding_window must be False: chunk latents use full attention")
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`from_pretrained(..., chunk_sizes=...)` sets load-time values after `__init__`: validate them too."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).check_loop_fields()
+        return result
+
+    def check_loop_fields(self) -> None:
+        """Validate (and complete) every SpiralFormer field; ValueError naming the field."""
         if self.chunk_sizes is None:
             self.chunk_sizes = [8, 4, 2, 1]
         if isinstance(self.chunk_sizes, tuple):
@@ -111,9 +119,9 @@ class SpiralFormerConfig(Qwen3Config):
                 "SpiralFormerConfig.num_pre_layers, num_loop_layers and num_post_layers must be given together "
                 f"(or all left None), got {counts}"
             )
-        _check_int("num_pre_layers", self.num_pre_layers, 0)
-        _check_int("num_loop_layers", self.num_loop_layers, 1)
-        _check_int("num_post_layers", self.num_post_layers, 0)
+        check_int_field(self, "num_pre_layers", 0)
+        check_int_field(self, "num_loop_layers", 1)
+        check_int_field(self, "num_post_layers", 0)
         if self.num_pre_layers + self.num_post_layers < 1:
             raise ValueError(
                 "SpiralFormerConfig.num_pre_layers + num_post_layers must be >= 1: an unshared layer's cache slot "
@@ -126,24 +134,13 @@ class SpiralFormerConfig(Qwen3Config):
                 f"= {total}, got {self.num_hidden_layers}"
             )
 
-        _check_choice("downscale", self.downscale, DOWNSCALES)
-        _check_choice("upscale", self.upscale, UPSCALES)
-        _check_choice("topology", self.topology, TOPOLOGIES)
-        _check_choice("shift", self.shift, SHIFTS)
-        _check_choice("chunk_offset", self.chunk_offset, CHUNK_OFFSETS)
-        _check_choice("shift_frame", self.shift_frame, SHIFT_FRAMES)
-        _check_choice("latent_positions", self.latent_positions, LATENT_POSITIONS)
-        _check_choice("core_output", self.core_output, CORE_OUTPUTS)
-        _check_choice("router_init", self.router_init, ROUTER_INITS)
+        check_choice_fields(self)
         if self.mesh_slots is None:
             self.mesh_slots = len(self.chunk_sizes) + 3
-        _check_int("mesh_slots", self.mesh_slots, 2)
+        check_int_field(self, "mesh_slots", 2)
         for name in ("scale_embeddings", "depth_scaled_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SpiralFormerConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        super().__post_init__(**kwargs)
-        if self.use_sliding_window:
-            raise ValueError("SpiralFormerConfig.use_sliding_window must be False: chunk latents use full attention")
 
     @property
     def num_iterations(self) -> int:
@@ -153,3 +150,8 @@ class SpiralFormerConfig(Qwen3Config):
     def num_virtual_layers(self) -> int:
         """Layers of the unrolled graph: N_pre + T·N_loop + N_post (the depth-scaled init's N_compute)."""
         return self.num_pre_layers + self.num_iterations * self.num_loop_layers + self.num_post_layers
+
+
+DOWNSCALES = literal_choices(SpiralFormerConfig, "downscale")
+UPSCALES = literal_choices(SpiralFormerConfig, "upscale")
+TOPOLOGIES = literal_choices(SpiralFormerConfig, "topology")
