@@ -1,0 +1,57 @@
+"""Small embedded defaults that ship inside the package (licences in each folder's README.md).
+
+- `base/`: the default base model, a tiny Qwen3-architecture causal LM pretrained by
+  `hf_loops.training.pretrain_base` on Shakespeare, the Python docs and GSM8K text, with its own 8k byte-level BPE
+  tokenizer and a Qwen3-style chat template. Load it with `AutoModelForCausalLM.from_pretrained(default_base_dir())`.
+- `gsm8k/gsm8k_test_100.jsonl`: 100 GSM8K test problems (MIT).
+
+No network is needed for either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Rows of gsm8k_test_100.jsonl (file order) whose answers the embedded base saw during pretraining; the rest
+# (EVAL_ROWS) are held out. One fact, one place: the pretraining script imports these.
+GSM8K_PRETRAIN_ANSWER_ROWS = range(0, 80)
+EVAL_ROWS = range(80, 100)
+
+
+def default_base_dir() -> str:
+    """Directory of the embedded default base model (config, safetensors weights, tokenizer, README)."""
+    return os.path.join(DATA_DIR, "base")
+
+
+def gsm8k_path() -> str:
+    """Path of the vendored 100 GSM8K test problems (`{"id_orig", "question", "answer"}` per line)."""
+    return os.path.join(DATA_DIR, "gsm8k", "gsm8k_test_100.jsonl")
+
+
+def load_gsm8k(rows: range | None = None) -> list[dict]:
+    """The vendored GSM8K problems as dicts, optionally only the given rows (e.g. `EVAL_ROWS`)."""
+    with open(gsm8k_path(), encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return problems if rows is None else [problems[i] for i in rows]
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """The number after GSM8K's final `#### ` marker, without thousands separators ("" when absent)."""
+    marker = answer.rfind("####")
+    if marker < 0:
+        return ""
+    return answer[marker + 4 :].strip().replace(",", "")
+
+
+__all__ = [
+    "DATA_DIR",
+    "EVAL_ROWS",
+    "GSM8K_PRETRAIN_ANSWER_ROWS",
+    "default_base_dir",
+    "gsm8k_final_answer",
+    "gsm8k_path",
+    "load_gsm8k",
+]
