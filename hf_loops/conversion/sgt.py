@@ -12,9 +12,15 @@ from the source model's attention entropies on calibration text:
    highest-scoring layers outside `growth_exclude_layers`; SELECT the deepest of Top, then keep selecting the deepest
    remaining Top layer that is not deeper than every selected one (deep-to-shallow), until `growth_max_layers` are
    selected. With constant entropies "deepen before widening" takes every selected layer to `max_loop_depth`;
-4. kept heads of a selected layer = its `heads_per_layer` highest-entropy heads.
+4. kept heads of a selected layer = its `heads_per_layer` highest-entropy heads. With a multi-stage
+   `head_keep_schedule` (the paper's [10, 2]) the first stage keeps the top `schedule[0]` heads; each later stage
+   loops the current heads, measures again (kept heads ranked by their last loop's entropy, as the scheduler does)
+   and keeps the top `schedule[s]` of them.
 
 The plan is written into `config.loop_plan` (list form, ascending layer) and applied to the model.
+
+Block Loop (`loop_mode="block"`): the same measurement (first pass, no loops) and the same layer selection give
+`config.block_loop_layers` — "the layers SGT picks" (spec §9) — repeated `block_loop_depth` extra times.
 """
 
 from __future__ import annotations
@@ -52,8 +58,9 @@ def calibration_ids(calibration, tokenizer, seq_len: int = CALIBRATION_SEQ_LEN,
 
 
 @torch.no_grad()
-def measure_head_entropy(model, sequences: list[torch.Tensor]) -> torch.Tensor:
-    """(L, H) mean normalised attention entropy of every head on `sequences` (first pass, no loops)."""
+def measure_loop_entropy(model, sequences: list[torch.Tensor], num_loops: int = 0) -> torch.Tensor:
+    """(L, num_loops + 1, H) mean normalised attention entropy of every head on `sequences`, per pass (0 = first
+    pass; loop k only for the heads the current plan loops at least k times, 0 elsewhere)."""
     base = model.model
     was_training = model.training
     device = base.embed_tokens.weight.device
@@ -63,18 +70,33 @@ def measure_head_entropy(model, sequences: list[torch.Tensor]) -> torch.Tensor:
         sums = counts = None
         for seq in sequences:
             model(input_ids=seq.to(device), use_cache=False)
-            s, c = base.pop_entropy_statistics(0)
+            s, c = base.pop_entropy_statistics(num_loops)
             sums = s if sums is None else sums + s
             counts = c if counts is None else counts + c
     finally:
         base.set_entropy_statistics(False)
         model.train(was_training)
-    return (sums[:, 0] / counts[:, 0].clamp_min(1)).cpu()
+    return (sums / counts.clamp_min(1)).cpu()
 
 
-def plan_from_entropy(entropy: torch.Tensor, config) -> list[dict]:
-    """The static plan Algorithm 1 reaches with constant per-head entropies `entropy` (L, H): the same selection
-    rules (and tie rule) as the growth scheduler, `hf_loops.training.sgt_selection`."""
+def measure_head_entropy(model, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """(L, H) mean normalised attention entropy of every head on `sequences` (first pass, no loops)."""
+    return measure_loop_entropy(model, sequences, 0)[:, 0]
+
+
+def effective_entropy(per_loop: torch.Tensor, plan: list[dict]) -> torch.Tensor:
+    """(L, H) entropies the selection ranks by: a looped layer's looped heads use their last loop's entropy, every
+    other head its first pass's (the growth scheduler's `head_entropy`)."""
+    out = per_loop[:, 0].clone()
+    for entry in plan:
+        if entry["depth"] > 0:
+            out[entry["layer"], entry["heads"]] = per_loop[entry["layer"], entry["depth"], entry["heads"]]
+    return out
+
+
+def select_layers(entropy: torch.Tensor, config) -> list[int]:
+    """The layers Algorithm 1 loops with constant per-head entropies `entropy` (L, H), ascending: the growth
+    scheduler's selection rules and tie rule (`hf_loops.training.sgt_selection`)."""
     direction = getattr(config, "growth_direction", "deep_to_shallow")
     selection = getattr(config, "head_selection", "highest_entropy")
     scores = entropy.mean(-1).tolist()
@@ -85,22 +107,76 @@ def plan_from_entropy(entropy: torch.Tensor, config) -> list[dict]:
         if layer is None:
             break
         selected.append(layer)
+    return sorted(selected)
+
+
+def plan_from_entropy(entropy: torch.Tensor, config) -> list[dict]:
+    """The static plan Algorithm 1 reaches with constant per-head entropies `entropy` (L, H): the same selection
+    rules (and tie rule) as the growth scheduler, `hf_loops.training.sgt_selection`; single-stage head selection
+    (`heads_per_layer` heads)."""
+    selection = getattr(config, "head_selection", "highest_entropy")
     return [{"layer": layer, "heads": rank_heads(entropy[layer].tolist(), range(entropy.shape[1]),
                                                  config.heads_per_layer, selection),
-             "depth": config.max_loop_depth} for layer in sorted(selected)]
+             "depth": config.max_loop_depth} for layer in select_layers(entropy, config)]
+
+
+def calibration_plan(config, measure) -> dict:
+    """The structure calibration chooses, given `measure(plan)` → (L, H) effective per-head entropies with `plan`
+    looped (`[]` = the first pass of the unlooped model).
+
+    Returns `{"block_loop_layers": [...], "block_loop_depth": K}` for `loop_mode="block"`, else
+    `{"loop_plan": [...]}`, the plan after every stage of `head_keep_schedule` (one measurement per stage)."""
+    entropy = measure([])
+    layers = select_layers(entropy, config)
+    if config.loop_mode == "block":
+        return {"block_loop_layers": layers, "block_loop_depth": config.block_loop_depth}
+    selection = getattr(config, "head_selection", "highest_entropy")
+    schedule = list(getattr(config, "head_keep_schedule", None) or [config.heads_per_layer])
+    heads = range(entropy.shape[1])
+    kept = {layer: rank_heads(entropy[layer].tolist(), heads, schedule[0], selection) for layer in layers}
+    for keep in schedule[1:]:  # later stages re-rank the looping heads by their own (last-loop) entropy
+        plan = [{"layer": layer, "heads": kept[layer], "depth": config.max_loop_depth} for layer in layers]
+        entropy = measure(plan)
+        kept = {layer: rank_heads(entropy[layer].tolist(), kept[layer], keep, selection) for layer in layers}
+    return {"loop_plan": [{"layer": layer, "heads": kept[layer], "depth": config.max_loop_depth}
+                          for layer in layers]}
 
 
 def calibrate_sgt(model, calibration, tokenizer) -> list[dict]:
-    """Measure entropies on `calibration`, write the plan into `model.config.loop_plan` and apply it."""
-    if model.config.loop_mode != "heads":
-        raise ValueError("SGT calibration needs loop_mode='heads'")
-    if any(layer.loop_depth for layer in model.model.layers):
-        raise ValueError("SGT calibration starts from an empty loop_plan; do not pass loop_plan together with "
-                         "calibration")
-    entropy = measure_head_entropy(model, calibration_ids(calibration, tokenizer))
-    plan = plan_from_entropy(entropy, model.config)
-    for entry in plan:
-        model.model.set_loop(entry["layer"], entry["heads"], entry["depth"])
-    model.config.loop_plan = plan
-    model.config.calibration_entropy = [[round(float(x), 6) for x in row] for row in entropy]
+    """Measure entropies on `calibration` and apply the structure they choose: the head-loop plan
+    (`config.loop_plan`, returned) or, with `loop_mode="block"`, the Block Loop layers (`config.block_loop_layers`;
+    returned as `[{"layer", "depth"}]`). `config.calibration_entropy` keeps the first-pass entropies."""
+    config = model.config
+    block = config.loop_mode == "block"
+    if any(layer.loop_depth for layer in model.model.layers) or (block and config.block_loop_layers):
+        raise ValueError("SGT calibration starts from an empty loop_plan / block_loop_layers; do not pass them "
+                         "together with calibration")
+    sequences = calibration_ids(calibration, tokenizer)
+    first: list[torch.Tensor] = []
+
+    def measure(plan):
+        mode = config.loop_mode
+        config.loop_mode = "heads"  # the probe runs on the head-loop path; unlooped, both paths are plain Qwen3
+        try:
+            for entry in plan:
+                model.model.set_loop(entry["layer"], entry["heads"], entry["depth"])
+            depth = max((entry["depth"] for entry in plan), default=0)
+            entropy = effective_entropy(measure_loop_entropy(model, sequences, depth), plan)
+            for entry in plan:
+                model.model.set_loop(entry["layer"], [], 0)
+        finally:
+            config.loop_mode = mode
+        if not first:  # the unlooped model's entropies, kept in the config
+            first.append(entropy)
+        return entropy
+
+    if block:
+        config.block_loop_layers = calibration_plan(config, measure)["block_loop_layers"]
+        plan = [{"layer": layer, "depth": config.block_loop_depth} for layer in config.block_loop_layers]
+    else:
+        plan = calibration_plan(config, measure)["loop_plan"]
+        for entry in plan:
+            model.model.set_loop(entry["layer"], entry["heads"], entry["depth"])
+        config.loop_plan = plan
+    config.calibration_entropy = [[round(float(x), 6) for x in row] for row in first[0]]
     return plan

@@ -179,6 +179,13 @@ class TaH2SFTTrainer(SFTTrainer):
         # decayed too (HF's default would exempt them).
         return [name for name, _ in model.named_parameters()]
 
+    uses_token_budget_sampler = True
+
+    def _get_train_sampler(self, train_dataset=None):
+        # Token-budget batching (`hf_loops.training.token_budget.apply_token_budget`) installs its batch sampler here.
+        sampler = getattr(self, "token_budget_sampler", None)
+        return sampler if sampler is not None else super()._get_train_sampler(train_dataset)
+
     def tah2_loss(self, model, inputs, num_items_in_batch=None, return_logits: bool = False):
         return tah2_joint_loss(model, inputs, self.args, num_items_in_batch, return_logits=return_logits)
 
