@@ -107,7 +107,10 @@ class SGTConfig(Qwen3Config):
         growth_exclude_layers (`list[int]`, [0]): layers never selected.
         head_decay (`str`, "linear"): gate decay of non-kept heads over the window: "linear" or "cosine".
         head_keep_schedule (`list[int]`, [heads_per_layer]): heads kept at each stage of head selection, strictly
-            decreasing and ending at `heads_per_layer` ([10, 2] = the paper's two-stage selection).
+            decreasing and ending at `heads_per_layer`. The default is the released code's single stage; **[10, 2] is
+            the paper's setting**: SELECT keeps the top 10 heads (the other gates decay over one window), that
+            window's end re-ranks the 10 by their loop entropy and keeps 2 (the other 8 decay over the next window),
+            delaying the next layer by one window. Calibration runs the same stages, one measurement each.
         entropy_estimator (`str`, "last_row"): "last_row" (official: the last valid query row) or "sampled_rows" (the
             last valid row plus stratified rows, `entropy_sample_rows` in total).
         entropy_sample_rows (`int`, 8): rows per sequence for "sampled_rows".
