@@ -221,3 +221,56 @@ def test_ouro_stage2_training_moves_only_the_gate(tmp_path):
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert set(grads) == {"decider.gate.weight"}
     assert metric_values(metrics)["gate_loss"] > 0 and torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Through `hf-loops train`: a few CPU steps, save, load with and without hf_loops, generate
+# ----------------------------------------------------------------------------------------------------------------------
+
+from test_train_cli import _argv, data  # noqa: E402,F401  (the tiny tokenizer/base fixture)
+
+CHILD = """
+import sys
+sys.modules["hf_loops"] = None  # hf_loops cannot be imported in this process
+import torch
+from transformers import AutoModelForCausalLM
+ids = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        torch.save(model(ids).logits, path + "/remote_logits.pt")
+"""
+
+
+def test_both_baselines_train_save_load_by_remote_code_and_generate(data, tmp_path):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_loops.training.train_tah2 import run as train_run
+
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    want, outs = {}, []
+    for arch, decider in (("huginn", "always"), ("ouro-stage2", "exit_gate")):
+        out = tmp_path / arch
+        trainer = train_run(_argv(data, out, arch=arch))
+        assert trainer.state.global_step == 2
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(model).__name__ == "TaH2ForCausalLM" and model.config.decider == decider
+        with torch.no_grad():
+            want[arch] = model(ids).logits
+            gen = model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert gen.shape[1] == 9 or model.config.eos_token_id in gen[0, 6:].tolist()
+        outs.append(str(out))
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "ids.pt"), *outs], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for arch in want:
+        assert (torch.load(tmp_path / arch / "remote_logits.pt") - want[arch]).abs().max() <= 1e-5

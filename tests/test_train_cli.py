@@ -113,7 +113,8 @@ def test_model_fields_come_from_the_config_class():
     text = " ".join(train_tah2.build_parser(fields).format_help().split())
     for name in fields:
         assert f"--{name}" in text, name
-    assert "--iteration-attention VALUE str: visibility across iterations" in text  # described by the config docstring
+    assert "--iteration-attention VALUE" in text and "visibility across iterations" in text  # the config docstring
+    assert train_tah2.parse_model_value(fields["loop_span"], "[1, 3]") == [1, 3]
 
 
 def test_tah2_config_fields_on_the_command_line_override_the_recipe(tmp_path):

@@ -17,14 +17,22 @@ import os
 import re
 import sys
 
+from ..modeling.configuration_tah2 import TAH2_PRESETS
+
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 RECIPES = {"paper": "tah2_paper.yaml", "tiny-cpu": "tah2_tiny_cpu.yaml"}
-ARCHS = ("tah2", "tah2-fixed", "standard", "ouro")
+# `--arch` choices: the TaH2 presets (TaH2 and its baselines), read from `TAH2_PRESETS`.
+ARCHS = tuple(TAH2_PRESETS)
 # Words that set an optional field to None on the command line (`--max_length none`).
 NONE_WORDS = ("none", "null")
 # Optional trainer fields where "none" is a value of its own (report_to=none: no integrations), not None.
 NONE_IS_A_VALUE = ("report_to",)
 DEBUG_HINT = "(rerun with --debug for the traceback)"
+DTYPES = ("float32", "bfloat16", "auto")
+# The trainer fields that choose the device and precision; when none is given, `device_defaults` picks them.
+DEVICE_FIELDS = ("use_cpu", "bf16", "fp16", "no_cuda")
+# Written into --output-dir with the final model: the resolved arguments of the run.
+RUN_CONFIG_FILE = "run_config.json"
 
 
 def model_fields() -> dict[str, str]:
@@ -59,6 +67,11 @@ def parse_model_value(annotation: str, text: str):
         return None
     if "bool" in annotation:
         return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(word, text)
+    if annotation.startswith("list"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
     for name, kind in (("int", int), ("float", float)):
         if name in annotation:
             try:
@@ -91,22 +104,116 @@ def load_recipe(name_or_path: str | None) -> dict:
 
 
 def load_training_dataset(spec: str, split: str = "train"):
-    """A local .jsonl/.json file (or directory) or a Hub dataset id, normalised to `messages` or prompt/completion."""
+    """A local .jsonl/.json file (or directory) or a Hub dataset id, normalised to `messages` or prompt/completion.
+
+    Every row is checked first: a malformed JSON line, an empty file, a row without a required field (`answer`, …) or
+    with `null` in it → `ValueError` naming the file and line (the row index for directories and Hub datasets)."""
     from datasets import load_dataset
 
     if os.path.isfile(spec):
-        ds = load_dataset("json", data_files=spec, split="train")
+        rows, lines = check_data_file(spec)
+        cols = set().union(*(r.keys() for r in rows))
+        check_rows(rows, cols, (lambda i: f"{spec}:{lines[i]}") if lines else (lambda i: f"{spec}: item {i + 1}"))
+        try:
+            ds = load_dataset("json", data_files=spec, split="train")
+        except Exception as err:  # noqa: BLE001 - pyarrow type clashes between rows, ...
+            raise ValueError(f"dataset file {spec!r} cannot be read as one table ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}); give every row the same fields and types") from None
+        return normalise_columns(ds, spec)
     elif os.path.isdir(spec):
         ds = load_dataset(spec, split=split)
+        where = lambda i: f"{spec} (split {split!r}): row {i + 1}"  # noqa: E731
     else:
         try:
             ds = load_dataset(spec, split=split)
         except Exception as err:  # datasets raises several connection/offline error types
             raise _offline_hint(f"dataset {spec!r}", err) from err
-    return normalise_columns(ds)
+        where = lambda i: f"dataset {spec!r} (split {split!r}): row {i + 1}"  # noqa: E731
+    if len(ds) == 0:
+        raise ValueError(f"dataset {spec!r} has no rows")
+    required = sorted(_required_fields(set(ds.column_names)))
+    check_rows(ds.select_columns(required) if required else [], set(ds.column_names), where)
+    return normalise_columns(ds, spec)
 
 
-def normalise_columns(ds):
+def check_data_file(path: str) -> tuple[list[dict], list[int] | None]:
+    """Parse a local JSON Lines (or JSON list) file: an empty file, a malformed line or a row that is not an object →
+    `ValueError` with the file and line. Returns the rows and the line number of each (None for a JSON list)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if not text.strip():
+        raise ValueError(f"dataset file {path!r} is empty: expected one JSON object per line")
+    stripped = text.lstrip()
+    if stripped.startswith("["):  # one JSON list of objects
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: invalid JSON (column {err.colno}: {err.msg})") from None
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise ValueError(f"{path}: item {bad + 1} of the JSON list is not an object {{...}}")
+        if not rows:
+            raise ValueError(f"dataset file {path!r} is an empty JSON list: expected objects")
+        return rows, None
+    if "\n" in text.strip():  # a pretty-printed JSON object (one row, or columns of lists) rather than JSON Lines
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None
+        if isinstance(whole, dict):
+            columnar = whole and all(isinstance(v, list) for v in whole.values())
+            return ([], None) if columnar else ([whole], [text[:len(text) - len(stripped)].count("\n") + 1])
+    rows, lines = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: invalid JSON (column {err.colno}: {err.msg}); expected one JSON object "
+                             "per line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object {{...}}, got a JSON {type(row).__name__}")
+        rows.append(row)
+        lines.append(number)
+    return rows, lines
+
+
+def _required_fields(cols: set[str]) -> dict[str, tuple[type, ...]]:
+    """The fields every row needs, by the format the columns announce (the same order as `normalise_columns`)."""
+    if "messages" in cols:
+        return {"messages": (list,)}
+    if {"prompt", "completion"} <= cols:
+        return {"prompt": (str, list), "completion": (str, list)}
+    if "text" in cols:
+        return {"text": (str,)}
+    if {"question", "answer"} <= cols:
+        return {"question": (str,), "answer": (str,)}
+    return {}
+
+
+def check_rows(rows, cols: set[str], where) -> None:
+    """Every row has the format's fields (announced by the union of columns `cols`), with values of the right type:
+    not missing, not null. `where(i)` names row i (file and line)."""
+    required = _required_fields(cols)
+    if not required:
+        return  # normalise_columns names the unsupported columns
+    names = {str: "a string", list: "a list"}
+    for i, row in enumerate(rows):
+        for field, types in required.items():
+            value = row.get(field)
+            if not isinstance(value, types):
+                want = " or ".join(names[t] for t in types)
+                got = "missing or null" if value is None else f"a {type(value).__name__}"
+                raise ValueError(f"{where(i)}: field {field!r} is {got}; expected {want}")
+            if field == "messages" and (not value or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in value)):
+                raise ValueError(f"{where(i)}: field 'messages' must be a non-empty list of "
+                                 "{\"role\": ..., \"content\": \"...\"} objects with string content")
+
+
+def normalise_columns(ds, name: str | None = None):
     """`messages`, `prompt`/`completion` and `text` pass through (TRL formats them); GSM8K-style
     `question`/`answer` rows become a conversational prompt (user turn) and completion (assistant turn)."""
     cols = set(ds.column_names)
@@ -120,8 +227,8 @@ def normalise_columns(ds):
             remove_columns=sorted(cols),
         )
     raise ValueError(
-        f"dataset columns {sorted(cols)} are not supported: expected 'messages', 'prompt'+'completion', 'text' "
-        "or 'question'+'answer'"
+        f"{f'dataset {name!r}: ' if name else 'dataset '}columns {sorted(cols)} are not supported: expected "
+        "'messages', 'prompt'+'completion', 'text' or 'question'+'answer'"
     )
 
 
@@ -188,7 +295,14 @@ def build_parser(fields: dict[str, str] | None = None) -> argparse.ArgumentParse
     p.add_argument("--lora-alpha", type=int, default=32)
     p.add_argument("--push-to-hub", default=None, metavar="REPO")
     p.add_argument("--private", action="store_true")
-    p.add_argument("--resume-from-checkpoint", default=None)
+    p.add_argument("--resume-from-checkpoint", default=None,
+                   help="checkpoint-N directory, or `true` for the latest one in --output-dir")
+    p.add_argument("--overwrite-output-dir", action="store_true",
+                   help="clear a non-empty --output-dir first (otherwise it is refused, unless resuming)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="dtype of the trained weights. float32 (default): fp32 master weights, with bf16 autocast on "
+                        "CUDA; bfloat16: pure-bf16 weights (half the memory, but small updates round away); auto: the "
+                        "checkpoint's own dtype")
     p.add_argument("--debug", action="store_true", help="on failure, show the full traceback")
     loop = p.add_argument_group("model", "TaH2Config loop fields (default: the --arch preset; `none` for None)")
     for name, annotation in fields.items():
@@ -221,18 +335,23 @@ def model_overrides(arch: str, recipe: dict, args: argparse.Namespace, fields: d
     return out
 
 
-def build_model(base: str, overrides: dict):
+def build_model(base: str, overrides: dict, dtype: str = "float32", seed: int | None = None):
+    """The TaH2 model to train: `base` converted, its weights in `dtype` ("auto": the checkpoint's), the new modules
+    drawn from `seed`."""
+    import torch
+
     from ..conversion import convert_qwen3
 
+    kw = dict(overrides, seed=seed, dtype=None if dtype == "auto" else getattr(torch, dtype))
     if os.path.isdir(base):
-        return convert_qwen3(base, "tah2", **overrides)
+        return convert_qwen3(base, "tah2", **kw)
     try:
         from huggingface_hub import snapshot_download
 
         local = snapshot_download(base, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as err:
         raise _offline_hint(f"base model {base!r}", err) from err
-    return convert_qwen3(local, "tah2", **overrides)
+    return convert_qwen3(local, "tah2", **kw)
 
 
 def lora_config(r: int, alpha: int):
@@ -263,7 +382,7 @@ def trainer_config(recipe: dict, rest: list[str], output_dir: str, eval_dataset:
 
     from .tah2_trainer import TaH2SFTConfig
 
-    cli = _to_cli_args(recipe) + list(rest)
+    cli = _to_cli_args(recipe) + list(rest) + device_defaults(recipe, rest)
     if eval_dataset and not _given("eval_strategy", rest, recipe):
         # An eval set without a schedule: every --eval_steps N steps if given, else at the end of each epoch (which
         # includes the end of a run cut short by max_steps).
@@ -276,6 +395,55 @@ def trainer_config(recipe: dict, rest: list[str], output_dir: str, eval_dataset:
             action.type = _none_or(action.type)
     (config,) = parser.parse_args_into_dataclasses(args=cli + ["--output_dir", output_dir])
     return config
+
+
+def device_defaults(recipe: dict, rest: list[str]) -> list[str]:
+    """Trainer arguments for the machine, when neither the recipe nor the command line chooses the device/precision:
+    no CUDA → CPU in float32 (said in one line on stderr); CUDA → bf16 autocast (over the fp32 master weights that
+    `--dtype float32` loads)."""
+    if any(_given(name, rest, recipe) for name in DEVICE_FIELDS):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        print("note: no CUDA device: training on CPU in float32 (use_cpu=True, bf16=False)", file=sys.stderr)
+        return ["--use_cpu", "true", "--bf16", "false"]
+    return ["--bf16", "true"]
+
+
+def check_output_dir(path: str, overwrite: bool, resume: str | None) -> None:
+    """Refuse a non-empty --output-dir unless --overwrite-output-dir or --resume-from-checkpoint is given (changes
+    nothing); a file, or a location that cannot be written, is refused too."""
+    from ..conversion.export import TMP_PREFIX
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--output-dir {path!r} is a file; expected a new or empty directory")
+    if os.path.isdir(path):
+        entries = sorted(n for n in os.listdir(path) if not n.startswith(TMP_PREFIX))
+        if entries and not overwrite and resume is None:
+            shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+            raise ValueError(f"--output-dir {path!r} is not empty ({shown}); pass --overwrite-output-dir to clear it, "
+                             "--resume-from-checkpoint to continue its run, or choose a new directory")
+    probe = os.path.abspath(path)
+    while not os.path.isdir(probe):
+        if os.path.exists(probe):
+            raise ValueError(f"--output-dir {path!r}: {probe!r} is a file, so the directory cannot be created")
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(13, f"--output-dir {path!r}: cannot write in {probe!r}; choose a writable location")
+
+
+def clear_output_dir(path: str) -> None:
+    """Empty `path` (the directory itself stays: it may be `.` or a mount point)."""
+    import shutil
+
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.remove(full)
+    print(f"note: cleared --output-dir {path!r} (--overwrite-output-dir)", file=sys.stderr)
 
 
 def _none_or(convert):
@@ -323,7 +491,7 @@ def remote_code_callback():
     from transformers import PreTrainedModel, TrainerCallback
     from transformers.dynamic_module_utils import custom_object_save
 
-    from ..conversion import remote_code_saving
+    from ..conversion.export import remote_code_saving
 
     class RemoteCodeCheckpoints(TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
@@ -341,21 +509,31 @@ def remote_code_callback():
 
 
 def run(argv: list[str] | None = None):
-    """Parse, convert, train, save (and push). Returns the trainer."""
-    from transformers import AutoTokenizer
+    """Parse, convert, train, save (and push). Returns the trainer.
 
-    from ..conversion import remote_code_saving
+    --output-dir holds one run: a non-empty one is refused unless --overwrite-output-dir (cleared first) or
+    --resume-from-checkpoint; the final model, trainer_state.json, train_results.json and run_config.json (the resolved
+    arguments) are written to a temporary directory and moved in with config.json last, so the directory never shows
+    a new config.json beside old weights."""
+    from transformers import set_seed
+
+    from ..conversion.checks import load_tokenizer
+    from ..conversion.export import atomic_output_dir, remote_code_saving
     from .tah2_trainer import TaH2SFTTrainer
+    from .token_budget import apply_token_budget, pop_token_budget
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     fields = model_fields()
     args, rest = build_parser(fields).parse_known_args(argv)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     recipe = load_recipe(args.recipe)
+    recipe_given = dict(recipe)
+    budget = pop_token_budget(recipe, rest)  # max_tokens_per_batch, global_batch_size: batching, not trainer fields
     overrides = model_overrides(args.arch, recipe, args, fields)
     config = trainer_config(recipe, rest, args.output_dir, eval_dataset=args.eval_dataset is not None)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base)
-    except OSError as err:
-        raise _offline_hint(f"tokenizer {args.tokenizer or args.base!r}", err) from err
+    if budget is not None:
+        budget.detach_max_length(config)  # over-long samples are dropped by the budget sampler, not truncated
+    tokenizer = load_tokenizer(args.tokenizer or args.base, "--tokenizer" if args.tokenizer else "--base")
     if "<|im_end|>" in tokenizer.get_vocab():
         tokenizer.eos_token = "<|im_end|>"  # chat SFT ends turns with <|im_end|>, as the released TaH2 checkpoints
     if tokenizer.pad_token is None:
@@ -370,9 +548,13 @@ def run(argv: list[str] | None = None):
         if eval_dataset is not None and "messages" in eval_dataset.column_names:
             # The eval loss covers the same tokens as the training loss: the assistant turns, or the final one.
             eval_dataset = assistant_only_dataset(eval_dataset, tokenizer, split=not config.assistant_only_loss)
-    model = build_model(args.base, overrides)
+    # `seed` covers everything drawn before the Trainer seeds itself: the new modules' initialisation above all.
+    set_seed(config.seed)
+    model = build_model(args.base, overrides, args.dtype, seed=config.seed)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model.config.vocab_size}")
+    if args.overwrite_output_dir and os.path.isdir(args.output_dir) and args.resume_from_checkpoint is None:
+        clear_output_dir(args.output_dir)  # only now: bad input above leaves the directory as it was
     sizes = {"train": len(dataset)} | ({"eval": len(eval_dataset)} if eval_dataset is not None else {})
     trainer = TaH2SFTTrainer(
         model=model,
@@ -383,21 +565,107 @@ def run(argv: list[str] | None = None):
         peft_config=lora_config(args.lora_r, args.lora_alpha) if args.lora else None,
         callbacks=[remote_code_callback()],
     )
+    fsdp_on_cpu(trainer)
+    apply_token_budget(trainer, budget)  # the budget sampler and derived accumulation; prints the derivation
     drop_truncated_examples(trainer, sizes, config.max_length)
     resume = args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume == "true" else resume)
+    result = trainer.train(resume_from_checkpoint=True if resume == "true" else resume)
 
-    final = trainer.model
+    state_dict = final_state_dict(trainer)  # a collective under FSDP: every rank takes part
+    final = trainer.model if state_dict is None else unsharded_model(trainer, state_dict)
     if hasattr(final, "merge_and_unload"):
         final = final.merge_and_unload()
     final.generation_config.eos_token_id = tokenizer.eos_token_id
     final.generation_config.pad_token_id = tokenizer.pad_token_id
-    with remote_code_saving(final):
-        final.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
-    if args.push_to_hub:
+    if trainer.args.should_save:
+        with atomic_output_dir(args.output_dir, "train", merge=True) as tmp:
+            with remote_code_saving(final):
+                final.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            write_run_record(tmp, trainer, result, args, recipe_given, final.config, argv, fields)
+    if args.push_to_hub and trainer.args.should_save:
         push_checkpoint(args.output_dir, args.push_to_hub, private=args.private)
     return trainer
+
+
+def final_state_dict(trainer):
+    """The full (unsharded) state dict of an FSDP run, gathered from every rank (a collective: all ranks call it; rank 0
+    gets the tensors); None otherwise (save the model as is). Under FSDP2 the parameters are DTensor shards:
+    `save_pretrained` alone would write one rank's shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = trainer.model_wrapped
+    if any(isinstance(m, FSDPModule) for m in model.modules()):  # FSDP2 (fully_shard)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if getattr(trainer, "is_fsdp_enabled", False):  # FSDP1
+        return trainer.accelerator.get_state_dict(model)
+    return None
+
+
+def unsharded_model(trainer, state_dict):
+    """A plain (not FSDP-wrapped) model of the trained class holding `state_dict`, to save: FSDP2 swaps the model's
+    class for a generated `FSDP<Class>` whose module lives in torch, so saving the wrapped model would copy torch's
+    FSDP files as remote code and write `auto_map` entries pointing at them."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    core = _core_model(trainer.model)
+    cls = next(c for c in type(core).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
+    if not trainer.args.should_save:
+        return core  # only the saving rank builds the copy (the other ranks hold an empty state dict)
+    with torch.device("meta"):
+        plain = cls(core.config)
+    plain.load_state_dict(state_dict, strict=False, assign=True)
+    if getattr(core.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    own = dict(core.named_buffers())
+    for name, buf in list(plain.named_buffers()):  # non-persistent buffers (RoPE frequencies): FSDP2 leaves them whole
+        if buf.is_meta and name in own:
+            module, _, attr = name.rpartition(".")
+            plain.get_submodule(module)._buffers[attr] = own[name].detach().to("cpu").clone()
+    missing = [n for n, t in list(plain.named_parameters()) + list(plain.named_buffers()) if t.is_meta]
+    if missing:
+        raise RuntimeError(f"the gathered FSDP state dict lacks {missing[:5]}")
+    plain.generation_config = core.generation_config
+    return plain.eval()
+
+
+def fsdp_on_cpu(trainer) -> bool:
+    """Run the Trainer's FSDP settings on CPU processes (gloo) too. accelerate 1.15 builds the FSDP plugin from
+    `fsdp`/`fsdp_config` but switches FSDP on only for accelerator distributed types: on CPU the run would silently be
+    DDP. Marking the state FSDP with that plugin makes `accelerator.prepare` apply `fully_shard` (FSDP2) as on GPUs.
+    Returns whether it changed anything."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if trainer.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    trainer.is_fsdp_enabled = True
+    return True
+
+
+def write_run_record(folder: str, trainer, result, args, recipe: dict, config, argv: list[str],
+                     fields: dict) -> None:
+    """What the transformers example scripts leave in a run directory, even without checkpoints: trainer_state.json
+    (the log history), train_results.json (the final metrics) and run_config.json — every argument after recipe and
+    command-line precedence: the script's options, the model's TaH2Config loop fields, the full trainer config."""
+    trainer.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+    with open(os.path.join(folder, "train_results.json"), "w") as f:
+        json.dump(dict(result.metrics), f, indent=2, sort_keys=True)
+    record = {
+        "command": ["hf-loops", "train", *argv],
+        "script": {k: v for k, v in vars(args).items() if k not in fields},
+        "recipe": recipe,
+        "model": {name: getattr(config, name, None) for name in fields},  # the model's resolved loop fields
+        "trainer": json.loads(trainer.args.to_json_string()),
+    }
+    with open(os.path.join(folder, RUN_CONFIG_FILE), "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True, default=str)
 
 
 def push_checkpoint(folder: str, repo_id: str, private: bool = False) -> None:
@@ -428,17 +696,18 @@ def _close_progress_bars() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`hf-loops train`: exit code 0, 2 for bad input (ValueError), 1 for any other failure. The failure is the last
+    """`hf-loops train`: exit code 0, 2 for bad input (ValueError, OSError), 1 for any other failure. The failure is the last
     line on stderr (on a fresh line, after any progress bar); `--debug` re-raises it with the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
         run(argv)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad input (files, values, locations)
         if debug:
             raise
         _close_progress_bars()
-        print(f"\nerror: {err}", file=sys.stderr)
+        text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        print(f"\nerror: {' '.join(text.split())}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - the CLI reports any failure in one line
         if debug:

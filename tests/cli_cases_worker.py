@@ -1,0 +1,46 @@
+"""Runs many `hf-loops` command lines in ONE process (imports paid once): `python cli_cases_worker.py CASES.json
+RESULTS.json`. Each case is {"name", "argv", "cwd"}; its exit code and the text written to the stdout/stderr file
+descriptors (everything: print, logging, warnings, tqdm) are recorded."""
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+
+def run_case(main, case):
+    os.chdir(case["cwd"])
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            try:
+                rc = main(case["argv"])
+            except SystemExit as exc:  # argparse
+                rc = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001 - an escaped exception is what the table must not see
+                traceback.print_exc()
+                rc = "raised"
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+        out.seek(0), err.seek(0)
+        return {"rc": rc, "stdout": out.read(), "stderr": err.read()}
+
+
+def main():
+    cases_path, results_path = sys.argv[1:3]
+    from hf_loops.cli import main as cli_main
+
+    with open(cases_path) as f:
+        cases = json.load(f)
+    results = {case["name"]: run_case(cli_main, case) for case in cases}
+    with open(results_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
