@@ -13,15 +13,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e ".[train,dev]"
+	$(BIN)/pip install -e ".[train,dev,plot]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# Post-trains the embedded base as Standard and TaH2, evaluates both on 20 held-out GSM8K problems, writes demo_out/.
 demo: $(STAMP)
-	$(BIN)/hf-loops demo
+	$(BIN)/hf-loops demo --overwrite
 
-test: $(STAMP)
+# lm-evaluation-harness for its offline test (the test skips where the package cannot be installed).
+EVAL_STAMP := $(VENV)/.installed-eval
+$(EVAL_STAMP): $(STAMP)
+	$(BIN)/pip install -e ".[eval]" || echo "lm-eval unavailable: its test will skip"
+	touch $(EVAL_STAMP)
+
+test: $(STAMP) $(EVAL_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)

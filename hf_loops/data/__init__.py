@@ -38,20 +38,11 @@ def load_gsm8k(rows: range | None = None) -> list[dict]:
     return problems if rows is None else [problems[i] for i in rows]
 
 
-def gsm8k_final_answer(answer: str) -> str:
-    """The number after GSM8K's final `#### ` marker, without thousands separators ("" when absent)."""
-    marker = answer.rfind("####")
-    if marker < 0:
-        return ""
-    return answer[marker + 4 :].strip().replace(",", "")
-
-
 __all__ = [
     "DATA_DIR",
     "EVAL_ROWS",
     "GSM8K_PRETRAIN_ANSWER_ROWS",
     "default_base_dir",
-    "gsm8k_final_answer",
     "gsm8k_path",
     "load_gsm8k",
 ]

@@ -1,0 +1,470 @@
+"""`hf-loops demo` (`make demo`): the main job, end to end, offline, on the embedded base.
+
+1. split the vendored 100 GSM8K problems 80 train / 20 held out (the held-out answers were never seen by the base);
+2. post-train the embedded tiny Qwen3 base twice through `TaH2SFTTrainer` with the same settings and steps:
+   Standard (M = 1) and TaH2 (M = 2, lookahead depth supervision);
+3. evaluate both on the held-out 20 with `hf_loops.evaluation.evaluate` (what `hf-loops eval` runs);
+4. print a side-by-side table and write `demo_out/`: report.md, eval.json, depth_map.html/.png, loss_curves.png,
+   depth_by_token_class.png, the two checkpoints and the data split.
+
+`hf-loops demo --base DIR_OR_HUB_ID --dataset FILE_OR_HUB_ID` runs the same pipeline on any Qwen3(-Base) checkpoint and
+question/answer dataset (the last `--heldout` rows are held out). `hf-loops demo --random` is the old walk-through: a
+tiny random Qwen3 converted to TaH2, generating a few tokens with their depths (no training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+
+from .evaluation import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_NEW_TOKENS,
+    TRAIN_SUMMARY,
+    check_output_dir,
+    comparison_rows,
+    console_table,
+    depth_rows,
+    details_markdown,
+    evaluate,
+    load_examples,
+    markdown_table,
+    output_dir,
+    read_jsonl,
+    set_threads,
+    write_pictures,
+)
+
+# The settings both runs share (TaH2SFTConfig fields). Sized so the whole demo fits in 5 minutes on 2 CPU cores.
+DEMO_TRAINING = {
+    "max_steps": 30,
+    "learning_rate": 1e-3,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 2,
+    "per_device_train_batch_size": 8,
+    "max_length": 384,
+    "weight_decay": 0.01,
+    "use_cpu": True,
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "dataloader_num_workers": 0,
+    # α_D (TaH2 only; inert for Standard, which has no decider). The paper's 0.05 collapses the decider at this scale:
+    # the fresh updater's depth-2 predictions are poor at first, the NTP gradient through the mixture pushes every g
+    # below τ within two steps (measured: mean depth 1.000 from step 3 on, never recovering), and with no token
+    # continuing the updater gets no NTP gradient to improve. 1.0 lets the lookahead labels hold the decider up.
+    "decider_loss_weight": 1.0,
+}
+DEMO_HELDOUT = 20
+RUNS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"))
+PAPER_SCALE = (
+    "The paper's gains (+2.9 to +4.8 average accuracy points over Standard at 1.21-2.37x decode FLOPs per token) come "
+    "from Qwen3-1.7B/4B/8B-Base post-trained on about 273k reasoning and tool-use samples (3 epochs, about 3.4B tokens, "
+    "6,402 steps of 128 sequences up to 16k tokens) and evaluated on AIME, AMC, MATH500, OlympiadBench, HumanEval, MBPP, "
+    "GPQA and BFCL."
+)
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def _default_data() -> tuple[str, str, list[int] | None]:
+    """(base dir, dataset file, held-out row indices) of the embedded defaults."""
+    from . import data
+
+    return data.default_base_dir(), data.gsm8k_path(), list(data.EVAL_ROWS)
+
+
+def split_rows(rows: list, heldout: int, heldout_rows: list[int] | None = None) -> tuple[list, list]:
+    """(train, held out): `heldout_rows` if given, else the last `heldout` rows."""
+    if heldout_rows is None:
+        if not 0 < heldout < len(rows):
+            raise ValueError(f"--heldout must be in [1, {len(rows) - 1}] for a dataset of {len(rows)} rows, "
+                             f"got {heldout}")
+        heldout_rows = list(range(len(rows) - heldout, len(rows)))
+    held = set(heldout_rows)
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in heldout_rows]
+
+
+def _write_jsonl(path: str, rows: list) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def _dataset_rows(spec: str, split: str | None) -> list[dict]:
+    """Rows as written to the demo's data files: local rows as they are, Hub rows as prompt/completion."""
+    if os.path.isfile(spec):
+        from .evaluation import parse_split
+
+        _, a, b = parse_split(split)
+        rows = read_jsonl(spec)[a:b]
+        load_examples(spec, split)  # validates every row's fields with a line-accurate message
+        return rows
+    return [{"prompt": ex.prompt, "completion": ex.completion} for ex in load_examples(spec, split)]
+
+
+# ----------------------------------------------------------------------------------------------------- training
+def float32_base(base: str, dest: str) -> str:
+    """Copy the Qwen3 base (a directory or Hub id, any stored dtype) to `dest` in float32 with its tokenizer: both
+    runs post-train fp32 weights on the CPU (the embedded base is stored in bfloat16 to keep the package small)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluation import looks_like_path
+
+    if looks_like_path(base) and not os.path.isdir(base):
+        raise ValueError(f"--base {base!r}: no such directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load --base {base!r}: {str(err).splitlines()[0]}") from None
+    if model.config.model_type != "qwen3":
+        raise ValueError(f"--base must be a Qwen3(-Base) checkpoint, got model_type {model.config.model_type!r}")
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def _training_argv(base: str, arch: str, train_file: str, out: str, settings: dict, seed: int,
+                   max_iterations: int | None) -> list[str]:
+    argv = ["--base", base, "--arch", arch, "--dataset", train_file, "--output-dir", out]
+    if arch != "standard" and max_iterations is not None:  # a looped preset (the Standard preset has M = 1)
+        argv += ["--max-iterations", str(max_iterations)]
+    for key, value in {**settings, "seed": seed}.items():
+        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+def train_one(base: str, arch: str, train_file: str, out: str, settings: dict, seed: int,
+              max_iterations: int | None = None) -> dict:
+    """Post-train one run with `hf_loops.training.train_tah2.run`; write and return its training summary."""
+    from .training.train_tah2 import run
+
+    t0 = time.perf_counter()
+    trainer = run(_training_argv(base, arch, train_file, out, settings, seed, max_iterations))
+    wall = time.perf_counter() - t0
+    history = [dict(h) for h in trainer.state.log_history]
+    final = next((h for h in reversed(history) if "train_runtime" in h), {})
+    steps_logged = [h for h in history if "loss" in h]
+    acc = [h["decider_acc@1"] for h in steps_logged if "decider_acc@1" in h]
+    tail = max(1, len(acc) // 5)
+    summary = {
+        "arch": arch,
+        "steps": trainer.state.global_step,
+        "train_runtime": final.get("train_runtime"),
+        "wall_seconds": wall,
+        "settings": {**settings, "seed": seed},
+        "final_ntp_loss": (steps_logged[-1].get("ntp_loss", steps_logged[-1].get("loss")) if steps_logged else None),
+        "decider_acc": sum(acc[-tail:]) / tail if acc else None,
+        "decider_acc_window": tail if acc else 0,
+        "log_history": [{k: v for k, v in h.items() if isinstance(v, (int, float, str))} for h in history],
+    }
+    with open(os.path.join(out, TRAIN_SUMMARY), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def _verdict(std: dict, tah: dict) -> list[str]:
+    s, t = std["metrics"], tah["metrics"]
+    lines = []
+    d_nll = t["answer_nll"] - s["answer_nll"]
+    if d_nll < 0:
+        lines.append(f"- **Answer NLL:** TaH2 is lower by {-d_nll:.3f} nats/token ({t['answer_nll']:.3f} vs "
+                     f"{s['answer_nll']:.3f}) — one seed and {t['examples']} problems, so no significance is claimed.")
+    else:
+        lines.append(f"- **Answer NLL:** TaH2 does **not** beat Standard: {t['answer_nll']:.3f} vs "
+                     f"{s['answer_nll']:.3f} nats/token (+{d_nll:.3f}).")
+    if t["correct"] > s["correct"]:
+        lines.append(f"- **Exact match:** TaH2 {t['correct']}/{t['examples']} vs Standard "
+                     f"{s['correct']}/{s['examples']}.")
+    elif t["correct"] == s["correct"]:
+        lines.append(f"- **Exact match:** a tie, {t['correct']}/{t['examples']} each"
+                     + (" — at this scale neither model solves GSM8K problems it has not seen." if t["correct"] == 0
+                        else "."))
+    else:
+        lines.append(f"- **Exact match:** TaH2 does **not** beat Standard: {t['correct']}/{t['examples']} vs "
+                     f"{s['correct']}/{s['examples']}.")
+    return lines
+
+
+def build_report(results: list[dict], summaries: dict, info: dict) -> str:
+    std, tah = results
+    headers, rows = comparison_rows(results)
+    t = tah["metrics"]
+    ds = t.get("deep_share") or {}
+    train_acc = summaries["tah2"].get("decider_acc")
+    held_acc = (t.get("decider_accuracy") or {}).get("1")
+    cont = (t.get("continue_rate") or {}).get("1")
+    lines = [
+        "# hf-loops demo: Standard vs TaH2 on held-out GSM8K",
+        "",
+        f"Command: `{info['command']}` — finished in **{info['seconds']:.0f} s** on {info['machine']}.",
+        "",
+        f"Base: `{info['base']}`. Data: `{info['dataset']}`, {info['train_rows']} problems for post-training, "
+        f"{info['heldout_rows']} held out (`data/heldout.jsonl`). Both runs: the same "
+        f"{summaries['standard']['steps']} `TaH2SFTTrainer` steps and settings (below); Standard = M = 1, "
+        "TaH2 = M = 2 with lookahead depth supervision.",
+        "",
+        markdown_table(headers, rows),
+        "",
+        "Answer NLL: mean over the held-out reference answers' assistant tokens (teacher-forced). Exact match: greedy "
+        f"generation (≤ {t['max_new_tokens']} new tokens), final `#### N` compared with the reference. Mean depth: "
+        "passes that produced each reference-answer token (teacher-forced) and each generated token. Decode FLOPs: "
+        "tah2.md §7 accounting over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: against lookahead labels "
+        "on the held-out answers.",
+        "",
+        "## What came out",
+        "",
+        *_verdict(std, tah),
+        f"- **Depth:** TaH2's mean depth on the held-out answers is {t['mean_depth']:.3f} (continue rate after depth "
+        f"1: {cont:.1%}); on its own generated tokens {t['mean_depth_generated']:.3f}."
+        if t.get("mean_depth") is not None and cont is not None else "- **Depth:** not reported.",
+        f"- **Where the depth goes:** share of deep tokens (2 passes) among digits/operators "
+        f"{_pct(ds.get('digits/operators'))} vs words {_pct(ds.get('words'))}{_compare(ds)}.",
+        f"- **Decider accuracy** (continue/stop vs lookahead labels): {_pct(train_acc)} during training (mean of the "
+        f"last {summaries['tah2'].get('decider_acc_window')} logged steps), {_pct(held_acc)} on the held-out answers.",
+        f"- **Cost:** decode FLOPs per token {rows[1][5]} of Standard; training time {rows[1][6]} of Standard "
+        "(main forward + lookahead pass).",
+        "",
+        "**Settings.** Both runs share every setting (below). One departs from the paper: the decider loss weight "
+        "α_D = 1.0 instead of 0.05 — with 0.05 the fresh updater's poor depth-2 predictions drive every decision to "
+        "stop within two steps at this scale (mean depth 1.000 from step 3 on), so TaH2 would be Standard with extra "
+        "cost. α_D does not touch the Standard run.",
+        "",
+        "**Scale.** This is a tiny base model post-trained for a few dozen steps on 80 problems: a test that the "
+        "whole pipeline works and a look at where the decider spends depth, not a reproduction of the paper. "
+        + PAPER_SCALE,
+        "",
+        "## Pictures",
+        "",
+        "![per-token depth](depth_map.png)",
+        "",
+        "`depth_map.html`: every held-out answer, each token coloured by its depth; hover a token for its depth and "
+        "continue probability.",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+        "![mean depth by token class](depth_by_token_class.png)",
+        "",
+        "## Details",
+        "",
+        *(details_markdown(r) + "\n" for r in results),
+        "## Settings",
+        "",
+        "```json",
+        json.dumps(summaries["standard"]["settings"], indent=1),
+        "```",
+        "",
+        "## Reproduce the table with `hf-loops eval`",
+        "",
+        "```bash",
+        info["eval_command"],
+        "```",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _compare(ds: dict) -> str:
+    a, b = ds.get("digits/operators"), ds.get("words")
+    if a is None or b is None or a == b:
+        return ""
+    return (": the decider spends more depth on digits and operators than on words" if a > b
+            else ": the decider spends more depth on words than on digits and operators")
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:.1%}"
+
+
+# ----------------------------------------------------------------------------------------------------- pipeline
+def run_demo(base: str | None = None, dataset: str | None = None, out: str = "demo_out", overwrite: bool = False,
+             split: str | None = None, heldout: int = DEMO_HELDOUT, steps: int | None = None,
+             max_iterations: int = 2, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+             batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0, training: dict | None = None,
+             progress: bool = True, command: str = "hf-loops demo") -> dict:
+    """The whole pipeline; returns {"results", "summaries", "table", "out", "seconds"}."""
+    t_start = time.perf_counter()
+    check_output_dir(out, overwrite)
+    default_base, default_data, default_heldout = _default_data()
+    heldout_rows = default_heldout if dataset is None else None
+    base = base or default_base
+    dataset = dataset or default_data
+    from .evaluation import looks_like_path
+
+    if looks_like_path(base) and not os.path.isdir(base):
+        raise ValueError(f"--base {base!r}: no such directory")
+    if os.path.isdir(base) and not os.path.isfile(os.path.join(base, "config.json")):
+        raise ValueError(f"--base {base!r} has no config.json (for the embedded base: is hf_loops/data/base "
+                         "installed?)")
+    settings = {**DEMO_TRAINING, **({} if progress else {"disable_tqdm": True}), **(training or {})}
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {steps}")
+        settings["max_steps"] = steps
+    if max_iterations < 2:
+        raise ValueError(f"--max-iterations must be >= 2 for the TaH2 run, got {max_iterations}")
+
+    rows = _dataset_rows(dataset, split)
+    train_rows, held_rows = split_rows(rows, heldout, heldout_rows)
+    out_abs = os.path.abspath(out)
+    with output_dir(out, overwrite, "--out") as tmp:
+        os.makedirs(os.path.join(tmp, "data"))
+        train_file = os.path.join(tmp, "data", "train.jsonl")
+        held_file = os.path.join(tmp, "data", "heldout.jsonl")
+        _write_jsonl(train_file, train_rows)
+        _write_jsonl(held_file, held_rows)
+        base32 = float32_base(base, os.path.join(tmp, "base_fp32"))
+        summaries = {}
+        for key, label in RUNS:
+            print(f"[demo] post-training {label}: {settings['max_steps']} steps on {len(train_rows)} problems",
+                  flush=True)
+            summaries[key] = train_one(base32, key, train_file, os.path.join(tmp, key), settings, seed,
+                                       max_iterations if key == "tah2" else None)
+        shutil.rmtree(base32)
+        examples = load_examples(held_file)
+        results = []
+        for key, label in RUNS:
+            print(f"[demo] evaluating {label} on {len(examples)} held-out problems", flush=True)
+            r = evaluate(os.path.join(tmp, key), examples=examples, dataset=os.path.join(out_abs, "data",
+                                                                                            "heldout.jsonl"),
+                         batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+            r["model"] = os.path.join(out_abs, key)
+            results.append(r)
+        seconds = time.perf_counter() - t_start
+        rel = os.path.relpath(out_abs)
+        eval_command = (f"hf-loops eval {rel}/tah2 --baseline {rel}/standard --dataset {rel}/data/heldout.jsonl "
+                        f"--max-new-tokens {max_new_tokens} --batch-size {batch_size} --out {rel}_eval")
+        info = {"command": command, "seconds": seconds, "base": base, "dataset": dataset,
+                "train_rows": len(train_rows), "heldout_rows": len(held_rows), "eval_command": eval_command,
+                "machine": f"{os.cpu_count()} CPU cores visible, torch threads {_threads()}, {platform.machine()}"}
+        write_pictures(results, tmp)
+        with open(os.path.join(tmp, "eval.json"), "w", encoding="utf-8") as f:
+            json.dump({"command": command, "results": results}, f, indent=1)
+        with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
+            f.write(build_report(results, summaries, info))
+        headers, table_rows = comparison_rows(results)
+        table = console_table(headers, table_rows)
+    return {"results": results, "summaries": summaries, "table": table, "out": out_abs,
+            "seconds": time.perf_counter() - t_start, "eval_command": eval_command}
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+# ----------------------------------------------------------------------------------------------------- random
+def random_walkthrough(prompt: str, max_new_tokens: int = 16, max_iterations: int = 3, exit_threshold: float = 0.5,
+                       tokenizer: str | None = None, seed: int = 0) -> None:
+    """Tiny random Qwen3 → TaH2, generate, print every token with its depth (no training, no data)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from .conversion import convert_qwen3
+    from .inference import generate_with_depths
+
+    torch.manual_seed(seed)
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        vocab, encode, decode = len(tok), tok.encode, tok.decode
+    else:  # bytes as tokens: no tokenizer files needed
+        vocab = 256
+        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
+        decode = lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    qwen = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    model = convert_qwen3(qwen, "tah2", max_iterations=max_iterations, exit_threshold=exit_threshold).eval()
+    if model.decider is not None:  # an untrained decider sits at g ≈ 0.5; spread it so the walk-through shows depths
+        with torch.no_grad():
+            model.decider.score.weight.normal_(0.0, 2.0)
+    trace = generate_with_depths(model, torch.tensor([encode(prompt)]), max_new_tokens=max_new_tokens)
+    print(f"tiny random Qwen3 → TaH2 (M={max_iterations}, τ={exit_threshold}); prompt: {prompt!r}")
+    print(f"prompt depths: {trace.prompt_depths}")
+    print(f"{'step':>4}  {'token':>6}  depth  text")
+    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths)):
+        print(f"{i:>4}  {t:>6}  {d:>5}  {decode([t])!r}")
+    mean = sum(trace.depths) / max(len(trace.depths), 1)
+    print(f"mean depth over {len(trace.depths)} generated tokens: {mean:.2f}")
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+RANDOM_PROMPT = "Looped transformers think harder on hard tokens."
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default=None, help="Qwen3(-Base) directory or Hub id (default: the embedded base)")
+    p.add_argument("--dataset", default=None,
+                   help="question/answer .jsonl or Hub dataset id (default: the vendored 100 GSM8K problems)")
+    p.add_argument("--split", default=None, help="NAME or NAME[start:stop] of --dataset")
+    p.add_argument("--heldout", type=int, default=DEMO_HELDOUT, help="rows held out for evaluation (the last ones)")
+    p.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps per run (default {DEMO_TRAINING['max_steps']})")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"generation length at evaluation (default {DEFAULT_MAX_NEW_TOKENS}; --random: 16)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="evaluation batch size")
+    p.add_argument("--max-iterations", type=int, default=None, help="M of the TaH2 run (default 2; --random: 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: at this model size more threads cost more than they save)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    r = p.add_argument_group("--random", "the old walk-through: a tiny random Qwen3 → TaH2, no training")
+    r.add_argument("--random", action="store_true", help="run the random-weights walk-through instead")
+    r.add_argument("--prompt", default=RANDOM_PROMPT)
+    r.add_argument("--exit-threshold", type=float, default=0.5)
+    r.add_argument("--tokenizer", default=None, help="tokenizer directory (default: bytes)")
+
+
+def cmd_demo(args, argv: list[str] | None = None) -> int:
+    if args.random:
+        random_walkthrough(args.prompt, args.max_new_tokens or 16, args.max_iterations or 3, args.exit_threshold,
+                           args.tokenizer, args.seed)
+        return 0
+    set_threads(args.threads)
+    command = "hf-loops demo" + ("" if not argv else " " + shlex.join(argv))
+    result = run_demo(base=args.base, dataset=args.dataset, out=args.out, overwrite=args.overwrite, split=args.split,
+                      heldout=args.heldout, steps=args.steps, max_iterations=args.max_iterations or 2,
+                      max_new_tokens=args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, batch_size=args.batch_size,
+                      seed=args.seed, progress=not args.no_progress, command=command)
+    tah = result["results"][1]
+    if tah["metrics"].get("mean_depth") is not None and sys.stdout.isatty():
+        from .analysis.depth_map import render_ansi
+
+        print(render_ansi(depth_rows(tah, limit=1), tah["metrics"]["max_iterations"]))
+    print()
+    print(result["table"])
+    print(f"\nwrote {result['out']} (report.md, depth_map.html, depth_map.png, loss_curves.png, "
+          f"depth_by_token_class.png) in {result['seconds']:.0f} s")
+    print(f"reproduce the table: {result['eval_command']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="hf-loops demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_demo_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return cmd_demo(args, argv)
+    except ValueError as err:
+        if args.debug:
+            raise
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["DEMO_TRAINING", "add_demo_arguments", "cmd_demo", "random_walkthrough", "run_demo", "split_rows"]
