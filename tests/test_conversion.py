@@ -15,14 +15,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_loops import SGTForCausalLM, SpiralFormerForCausalLM
 from hf_loops.cli import main
-from hf_loops.conversion import (
-    conversion_report,
-    convert_qwen3,
-    export,
-    push_to_hub,
-    resolve_layer_map,
-)
+from hf_loops.conversion import convert_qwen3, export, push_to_hub
+from hf_loops.conversion.report import conversion_report
 from hf_loops.conversion.sgt import plan_from_entropy
+from hf_loops.conversion.spiralformer import resolve_layer_map
 
 IDS = torch.randint(4, 70, (2, 11), generator=torch.Generator().manual_seed(5))
 

@@ -5,58 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-# name, arXiv id, BibTeX of the paper behind each architecture (specs' "Sources" sections)
-PAPERS = {
-    "tah2": (
-        "Improving Test-Time Scaling with Adaptive Looped Transformers",
-        "2609.35748",
-        "@article{you2026tah2,\n"
-        "  title   = {Improving Test-Time Scaling with Adaptive Looped Transformers},\n"
-        "  author  = {You and Fu and Feng and Lv and Ning and Ding and Wang},\n"
-        "  journal = {arXiv preprint arXiv:2609.35748},\n"
-        "  year    = {2026}\n"
-        "}",
-    ),
-    "spiralformer": (
-        "SpiralFormer: Looped Transformers Can Learn Hierarchical Dependencies via Multi-Resolution Recursion",
-        "2602.11698",
-        "@article{yu2026spiralformer,\n"
-        "  title   = {SpiralFormer: Looped Transformers Can Learn Hierarchical Dependencies via Multi-Resolution "
-        "Recursion},\n"
-        "  author  = {Yu and Shu and Wang and Zhang and Wu and Wu and Long and Chen and Xu and Su and Zheng},\n"
-        "  journal = {arXiv preprint arXiv:2602.11698},\n"
-        "  year    = {2026}\n"
-        "}",
-    ),
-    "sgt": (
-        "Sparse Growing Transformer: Training-Time Sparse Depth Allocation via Progressive Attention Looping",
-        "2603.23998",
-        "@article{chen2026sgt,\n"
-        "  title   = {Sparse Growing Transformer: Training-Time Sparse Depth Allocation via Progressive Attention "
-        "Looping},\n"
-        "  author  = {Chen, Yao and Chen, Yilong and Yang, Yinqi and Shang, Junyuan and Zhang, Zhenyu and Zhang, Zefeng "
-        "and Nie, Shuaiyi and Wang, Shuohuan and Sun, Yu and Wu, Hua and Wang, HaiFeng and Liu, Tingwen},\n"
-        "  journal = {arXiv preprint arXiv:2603.23998},\n"
-        "  year    = {2026}\n"
-        "}",
-    ),
-}
-
-ARCH_TITLES = {
-    "tah2": "TaH2 (adaptive looped Qwen3: updater, decider, stopping-weighted mixture, duo-causal attention)",
-    "spiralformer": "SpiralFormer (pre → shared core × T at coarse-to-fine resolutions → post)",
-    "sgt": "SGT — Sparse Growing Transformer (head-level attention loops in a few layers)",
-}
-
-# config fields worth a line in the card, per architecture
-SUMMARY_FIELDS = {
-    "tah2": ["max_iterations", "exit_threshold", "iteration_attention", "mixture", "updater", "decider",
-             "updater_intermediate_size", "decider_intermediate_size", "decider_topk"],
-    "spiralformer": ["conversion_layer_map", "num_pre_layers", "num_loop_layers", "num_post_layers", "chunk_sizes",
-                     "topology",
-                     "downscale", "upscale", "core_output", "router_init"],
-    "sgt": ["loop_mode", "loop_plan", "heads_per_layer", "max_loop_depth"],
-}
 BACKBONE_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "tie_word_embeddings"]
 
@@ -69,9 +17,12 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
                       repo_id: str | None = None, title: str | None = None) -> str:
     """README.md text: architecture, source checkpoint, config summary, parameter counts, parity, usage, licence,
     citation. `report` is `conversion_report(...)`'s dict (parameter counts and the 1-loop parity)."""
+    from .registry import ARCHITECTURES
+
     cfg = model.config
     arch = cfg.model_type
-    paper, arxiv, bibtex = PAPERS.get(arch, ("", "", ""))
+    spec = ARCHITECTURES.get(arch)
+    paper, arxiv, bibtex = (spec.paper, spec.arxiv, spec.bibtex) if spec is not None else ("", "", "")
     report = dict(report or {})
     params = report.get("params", sum(p.numel() for p in model.parameters()))
     name = repo_id or "path/to/this/checkpoint"
@@ -81,7 +32,7 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
         front += [f"base_model: {source}"]
     front += ["---", ""]
     lines = [f"# {title or name.rsplit('/', 1)[-1]}", "",
-             f"**Architecture:** {ARCH_TITLES.get(arch, arch)} — `model_type: {arch}`, class "
+             f"**Architecture:** {spec.title if spec is not None else arch} — `model_type: {arch}`, class "
              f"`{type(model).__name__}`.", ""]
     if paper:
         lines += [f"Paper: *{paper}*, [arXiv:{arxiv}](https://arxiv.org/abs/{arxiv}).", ""]
@@ -89,7 +40,7 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
               "", "Converted with `hf_loops` (`convert_qwen3`): the Qwen3 weights keep their "
               "state-dict names; modules the architecture adds are freshly initialised (see the config summary).", ""]
     lines += ["## Configuration", "", "| field | value |", "|---|---|"]
-    for key in SUMMARY_FIELDS.get(arch, []) + BACKBONE_FIELDS:
+    for key in list(spec.summary_fields if spec is not None else ()) + BACKBONE_FIELDS:
         if hasattr(cfg, key):
             lines.append(f"| `{key}` | `{_fmt(getattr(cfg, key))}` |")
     lines += ["", "## Parameters", "", "| | count |", "|---|---|"]

@@ -37,50 +37,19 @@ def parity_inputs(vocab_size: int, tokenizer=None, prompts=PARITY_PROMPTS, seq_l
 
 @torch.no_grad()
 def _one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
-    """Logits of `model` with the loop switched off, or (None, reason)."""
-    arch = model.config.model_type
-    if arch == "tah2":
-        return model(ids, max_iterations=1, use_cache=False).logits, None
-    if arch == "sgt":
-        layers = model.model.layers
-        saved = [(layer.loop_depth, list(layer._gate_list)) for layer in layers]
-        try:
-            for layer in layers:
-                if layer.loop_depth:
-                    layer.set_loop(layer.loop_heads, 0, layer._gate_list)
-            block = model.config.block_loop_layers
-            model.config.block_loop_layers = []
-            try:
-                return model(ids, use_cache=False).logits, None
-            finally:
-                model.config.block_loop_layers = block
-        finally:
-            for layer, (depth, gates) in zip(layers, saved):
-                if depth:
-                    layer.set_loop([h for h, g in enumerate(gates) if g > 0], depth, gates)
-    if arch == "spiralformer":
-        layer_map = getattr(model.config, "conversion_layer_map", None)
-        if layer_map is not None:
-            core = [g[0] if len(g) == 1 else None for g in layer_map["core"]]
-            flat = list(layer_map["pre"]) + core + list(layer_map["post"])
-        else:
-            flat = list(range(model.config.num_hidden_layers))
-        if flat != list(range(source_num_layers)):
-            return None, "layers were dropped, averaged or reordered: the model has no source-equivalent pass"
-        from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
+    """Logits of `model` with the loop switched off, or (None, reason): the architecture's registry entry knows how."""
+    from .registry import ARCHITECTURES
 
-        cfg = model.config.to_dict()
-        for key in ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype"):
-            cfg.pop(key, None)
-        cfg.update(chunk_sizes=[1], core_output="delta", router_init="identity", mesh_slots=None)
-        one = type(model.config)(**cfg)
-        single = SpiralFormerForCausalLM(one).to(next(model.parameters()).dtype).eval()
-        state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.routers.")}
-        single.load_state_dict(state, strict=False)
-        if one.tie_word_embeddings:
-            single.tie_weights()
-        return single(ids, use_cache=False).logits, None
-    return None, f"no 1-loop form known for model_type {arch!r}"
+    spec = ARCHITECTURES.get(model.config.model_type)
+    if spec is None:
+        return None, f"no 1-loop form known for model_type {model.config.model_type!r}"
+    return spec.one_loop_logits(model, ids, source_num_layers)
+
+
+def _spec_of(model):
+    from .registry import ARCHITECTURES
+
+    return ARCHITECTURES.get(model.config.model_type)
 
 
 def _check_finite(logits: torch.Tensor, what: str) -> None:
@@ -120,8 +89,7 @@ def conversion_report(source, model, tokenizer=None, source_name: str | None = N
     report["parity_prompts"] = len(inputs)
     report["parity_max_abs_diff"] = max(diffs) if diffs and note is None else None
     report["parity_note"] = note
-    report["parity_setting"] = {"tah2": "max_iterations=1", "sgt": "loop depths 0",
-                                "spiralformer": "chunk_sizes=[1], one core pass"}.get(model.config.model_type)
+    report["parity_setting"] = getattr(_spec_of(model), "parity_setting", None)
     return report
 
 

@@ -180,3 +180,24 @@ def calibrate_sgt(model, calibration, tokenizer) -> list[dict]:
         config.loop_plan = plan
     config.calibration_entropy = [[round(float(x), 6) for x in row] for row in first[0]]
     return plan
+
+
+@torch.no_grad()
+def sgt_one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
+    """SGT with every loop depth (and Block Loop repeat) temporarily 0: the source's logits (1-loop parity)."""
+    layers = model.model.layers
+    saved = [(layer.loop_depth, list(layer._gate_list)) for layer in layers]
+    try:
+        for layer in layers:
+            if layer.loop_depth:
+                layer.set_loop(layer.loop_heads, 0, layer._gate_list)
+        block = model.config.block_loop_layers
+        model.config.block_loop_layers = []
+        try:
+            return model(ids, use_cache=False).logits, None
+        finally:
+            model.config.block_loop_layers = block
+    finally:
+        for layer, (depth, gates) in zip(layers, saved):
+            if depth:
+                layer.set_loop([h for h, g in enumerate(gates) if g > 0], depth, gates)

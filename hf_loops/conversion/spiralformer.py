@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from ..modeling.configuration_spiralformer import SpiralFormerConfig
 from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
-from .convert import cast_model
+from .qwen3_source import cast_model, qwen3_config_fields
 
 RETROFIT_DEFAULTS = {"core_output": "delta", "router_init": "identity", "depth_scaled_init": False}
 NEW_MODULE_PREFIXES = ("model.scorers.", "model.allocators.", "model.routers.")
@@ -108,8 +108,6 @@ def keeps_every_layer_in_order(mapping: dict, num_source_layers: int) -> bool:
 def convert_spiralformer(source: PreTrainedModel, layer_map: dict | None = None, core_init: str = "select",
                          **overrides) -> SpiralFormerForCausalLM:
     """`source`: a loaded `Qwen3ForCausalLM`. See the module docstring for `layer_map` / counts / `core_init`."""
-    from .convert import qwen3_config_fields
-
     src_cfg = source.config
     L = src_cfg.num_hidden_layers
     counts = {k: overrides.pop(k, None) for k in ("num_pre_layers", "num_loop_layers", "num_post_layers")}
@@ -155,3 +153,26 @@ def convert_spiralformer(source: PreTrainedModel, layer_map: dict | None = None,
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+@torch.no_grad()
+def spiralformer_one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
+    """The same weights with `chunk_sizes=[1]` (one core pass), `core_output="delta"` and identity MeSH routers:
+    the source's logits when every source layer was kept in order (1-loop parity), else (None, reason)."""
+    layer_map = getattr(model.config, "conversion_layer_map", None)
+    if layer_map is not None:
+        core = [g[0] if len(g) == 1 else None for g in layer_map["core"]]
+        flat = list(layer_map["pre"]) + core + list(layer_map["post"])
+    else:
+        flat = list(range(model.config.num_hidden_layers))
+    if flat != list(range(source_num_layers)):
+        return None, "layers were dropped, averaged or reordered: the model has no source-equivalent pass"
+    cfg = qwen3_config_fields(model.config)
+    cfg.update(chunk_sizes=[1], core_output="delta", router_init="identity", mesh_slots=None)
+    one = type(model.config)(**cfg)
+    single = SpiralFormerForCausalLM(one).to(next(model.parameters()).dtype).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.routers.")}
+    single.load_state_dict(state, strict=False)
+    if one.tie_word_embeddings:
+        single.tie_weights()
+    return single(ids, use_cache=False).logits, None

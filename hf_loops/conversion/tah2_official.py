@@ -25,9 +25,9 @@ from ..modeling.tah2_official import (
     is_official_tah2_dir,
     load_official_tah2,
 )
-from .convert import qwen3_config_fields
 from .export import atomic_output_dir
 from .hub import resolve_source_dir
+from .qwen3_source import qwen3_config_fields
 
 __all__ = ["export_tah2", "import_tah2", "is_official_tah2_dir", "load_official_tah2"]
 

@@ -663,8 +663,6 @@ class TaH2Model(TaH2PreTrainedModel):
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    # Modules a Qwen3 checkpoint does not have (freshly initialised by a conversion).
-    _hf_loops_new_module_prefixes = ("updater.", "decider.", "core_adapter.")
 
     def __init__(self, config: TaH2Config):
         super().__init__(config)
