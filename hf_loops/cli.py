@@ -1,4 +1,4 @@
-"""`hf-loops` command line: demo / convert / generate."""
+"""`hf-loops` command line: demo / eval / train / convert / generate."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import argparse
 import json
 import os
 import sys
-
-DEMO_PROMPT = "Looped transformers think harder on hard tokens."
 
 
 def _parse_value(text: str):
@@ -21,82 +19,39 @@ def _parse_sets(pairs: list[str]) -> dict:
     out = {}
     for pair in pairs or []:
         if "=" not in pair:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
         key, value = pair.split("=", 1)
         out[key.strip()] = _parse_value(value.strip())
     return out
 
 
-class ByteTokenizer:
-    """Bytes as tokens (ids 0..255): lets the demo run with no tokenizer files."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
-
-
 def cmd_demo(args) -> int:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from .demo import cmd_demo as run
 
-    from .conversion import convert_qwen3
-    from .inference import generate_with_depths
-
-    torch.manual_seed(args.seed)
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        vocab = len(tok)
-    else:
-        tok, vocab = ByteTokenizer(), ByteTokenizer.vocab_size
-    qwen = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
-    model = convert_qwen3(qwen, "tah2", max_iterations=args.max_iterations, exit_threshold=args.exit_threshold).eval()
-    if model.decider is not None:  # an untrained decider sits at g ≈ 0.5; spread it so the demo shows mixed depths
-        with torch.no_grad():
-            model.decider.score.weight.normal_(0.0, 2.0)
-    ids = torch.tensor([tok.encode(args.prompt)])
-    trace = generate_with_depths(model, ids, max_new_tokens=args.max_new_tokens)
-    print(f"tiny random Qwen3 → TaH2 (M={args.max_iterations}, τ={args.exit_threshold}); prompt: {args.prompt!r}")
-    print(f"prompt depths: {trace.prompt_depths}")
-    print(f"{'step':>4}  {'token':>6}  depth  text")
-    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths)):
-        print(f"{i:>4}  {t:>6}  {d:>5}  {tok.decode([t])!r}")
-    mean = sum(trace.depths) / max(len(trace.depths), 1)
-    print(f"mean depth over {len(trace.depths)} generated tokens: {mean:.2f}")
-    return 0
+    return run(args, getattr(args, "argv", None))
 
 
 def cmd_convert(args) -> int:
     import torch
 
-    from .conversion import (
-        conversion_report,
-        convert_qwen3,
-        export,
-        format_report,
-        load_qwen3_source,
-        load_source_tokenizer,
-        push_folder,
-        resolve_source_dir,
-    )
+    from .conversion import convert_qwen3, export
+    from .conversion.checks import check_config_json
+    from .conversion.export import check_output_dir
+    from .conversion.hub import push_folder, resolve_source_dir
+    from .conversion.qwen3_source import load_qwen3_source, load_source_tokenizer
+    from .conversion.report import conversion_report, format_report
 
+    out = os.fspath(args.out)
+    check_output_dir(out, "--out")  # a file, a non-empty or unwritable --out is refused before any work
     overrides = _parse_sets(args.set)
     if args.layer_map is not None:
         overrides["layer_map"] = _parse_value(args.layer_map)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = os.fspath(args.out)
-    if os.path.exists(out) and os.listdir(out):
-        raise ValueError(f"--out {out!r} exists and is not empty")
     source_dir = resolve_source_dir(args.source)  # a Hub id is downloaded once, here
+    check_config_json(source_dir)  # a broken config.json is named before anything reads it
     tokenizer = load_source_tokenizer(source_dir, args.tokenizer)
     model = convert_qwen3(source_dir, args.arch, dtype=dtype, tokenizer=tokenizer, calibration=args.calibration,
-                          allow_pickle=args.allow_pickle, **overrides)
+                          allow_pickle=args.allow_pickle, seed=args.seed, **overrides)
     report = None
     if not args.no_parity:
         source = load_qwen3_source(source_dir, dtype=dtype)
@@ -110,28 +65,54 @@ def cmd_convert(args) -> int:
         n = sum(p.numel() for p in model.parameters())
         print(f"source: {args.source}\nparameters: new {n:,}\n1-loop parity: not measured (--no-parity)\n"
               f"dtype: {str(next(model.parameters()).dtype).replace('torch.', '')}\nwrote {out}")
-    if args.arch == "sgt" and getattr(model.config, "loop_plan", None):
-        print(f"loop plan: {json.dumps(model.config.loop_plan)}")
+    for key in ("loop_plan", "block_loop_layers"):  # what a calibration chose (SGT), whatever the loop mode
+        if getattr(model.config, key, None):
+            print(f"{key.replace('_', ' ')}: {json.dumps(getattr(model.config, key))}")
     if args.push_to_hub:
-        push_folder(out, args.push_to_hub, private=args.private)
+        try:
+            push_folder(out, args.push_to_hub, private=args.private)
+        except Exception as err:  # noqa: BLE001 - network/auth/offline errors of huggingface_hub have many types
+            raise ValueError(f"wrote {out}, but could not push it to the Hub repo {args.push_to_hub!r} "
+                             f"(offline or unreachable? {type(err).__name__})") from err
         print(f"pushed {out} to {args.push_to_hub}{' (private)' if args.private else ''} in one commit")
     return 0
 
 
 def cmd_generate(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from .inference import generate_with_depths
+    from .conversion.checks import check_config_json, check_safetensors_files, load_tokenizer
+    from .inference import check_loop_knobs, generate_with_depths
 
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty: give some text to continue")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if os.path.isdir(args.model):
+        check_config_json(args.model)
+        check_safetensors_files(args.model)
+    elif os.path.exists(args.model):
+        raise ValueError(f"model {args.model!r} is a file; expected a checkpoint directory or a Hub repository id")
+    tok = load_tokenizer(args.tokenizer or args.model, "--tokenizer" if args.tokenizer else "model")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    except (OSError, ValueError) as err:
+        detail = " ".join(str(err).split())[:300]
+        raise ValueError(f"model {args.model!r} cannot be loaded: {detail}") from err
+    # Explicit values (0 included) are validated, not dropped; None = the checkpoint's own setting.
+    kw = {k: v for k, v in (("max_iterations", args.max_iterations), ("exit_threshold", args.exit_threshold))
+          if v is not None}
+    check_loop_knobs(model, kw)
     ids = tok(args.prompt, return_tensors="pt").input_ids
-    kw = {k: v for k, v in (("max_iterations", args.max_iterations), ("exit_threshold", args.exit_threshold)) if v}
+    if ids.shape[1] == 0:
+        raise ValueError(f"--prompt {args.prompt!r} encodes to 0 tokens: give some text to continue")
     trace = generate_with_depths(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id, **kw)
-    if args.show_depth:
+    if args.show_depth and trace.depths is not None:
         for t, d in zip(trace.tokens, trace.depths):
             print(f"{d}  {tok.decode([t])!r}")
+    elif args.show_depth:
+        print(f"note: a {model.config.model_type!r} model does not report per-token depth", file=sys.stderr)
     print(tok.decode(trace.tokens, skip_special_tokens=True))
     return 0
 
@@ -140,19 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-loops", description="Looped transformers for Hugging Face transformers")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="tiny Qwen3 → TaH2, generate, print each token with its depth")
-    d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--max-new-tokens", type=int, default=16)
-    d.add_argument("--max-iterations", type=int, default=3)
-    d.add_argument("--exit-threshold", type=float, default=0.5)
-    d.add_argument("--tokenizer", default=None, help="tokenizer directory (default: bytes)")
-    d.add_argument("--seed", type=int, default=0)
+    from .conversion.registry import ARCHITECTURES
+    from .demo import add_demo_arguments
+
+    d = sub.add_parser("demo", help="the main job: post-train the embedded base as Standard and TaH2, evaluate both, "
+                                    "write demo_out/ (--random: the old random-weights walk-through)")
+    add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
+
+    e = sub.add_parser("eval", help="evaluate checkpoints: answer NLL, exact match, depth, decode FLOPs "
+                                    "(see `hf-loops eval --help`)", add_help=False)
+    e.set_defaults(func=None)
 
     c = sub.add_parser("convert", help="convert a Qwen3 checkpoint (or an official TaH2 one) and export it with "
                                        "remote code and a model card")
     c.add_argument("source", help="local checkpoint directory or Hub repository id")
-    c.add_argument("--arch", required=True, choices=["tah2", "spiralformer", "sgt"])
+    c.add_argument("--arch", required=True, choices=sorted(ARCHITECTURES))
     c.add_argument("--out", required=True)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config field override (JSON values), e.g. max_iterations=3 or chunk_sizes=[4,2,1]")
@@ -167,10 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-parity", action="store_true", help="skip the 1-loop parity check (loads the source twice)")
     c.add_argument("--push-to-hub", default=None, metavar="REPO", help="push the exported directory in one commit")
     c.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    c.add_argument("--seed", type=int, default=0,
+                   help="seed of the freshly initialised modules (the same seed gives the same model; default 0)")
+    c.add_argument("--debug", action="store_true", help="on failure, show the full traceback")
     c.set_defaults(func=cmd_convert)
 
     t = sub.add_parser("train", help="post-train Qwen3 into TaH2 (see `hf-loops train --help`)", add_help=False)
     t.set_defaults(func=None)
+    sub.add_parser("pretrain", help="rebuild the embedded default base (see `hf-loops pretrain --help`)",
+                   add_help=False).set_defaults(func=None)
 
     g = sub.add_parser("generate", help="generate from a checkpoint, optionally showing per-token depth")
     g.add_argument("model")
@@ -179,9 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--max-iterations", type=int, default=None)
     g.add_argument("--exit-threshold", type=float, default=None)
-    g.add_argument("--show-depth", action="store_true")
+    g.add_argument("--show-depth", action="store_true", help="one line per token with its depth (models that "
+                                                                 "report per-token depth, e.g. TaH2)")
+    g.add_argument("--debug", action="store_true", help="on failure, show the full traceback")
     g.set_defaults(func=cmd_generate)
+
+    a = sub.add_parser("analyze", help="attention / residual / fixed-point / depth probes of a checkpoint: figures, "
+                                       "metrics.json and report.md")
+    from .analysis.analyze import add_arguments as add_analyze_arguments
+
+    add_analyze_arguments(a)
+    a.set_defaults(func=cmd_analyze)
     return p
+
+
+def cmd_analyze(args) -> int:
+    from .analysis.analyze import main as analyze_main
+
+    return analyze_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,12 +194,39 @@ def main(argv: list[str] | None = None) -> int:
         from .training.train_tah2 import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        from .evaluation import main as eval_main
+
+        return eval_main(argv[1:])
+    if argv[:1] == ["pretrain"]:
+        from .training.pretrain_base import cli as pretrain_cli
+
+        return pretrain_cli(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]
+    # Commands with a --debug option (convert, generate) report every failure in one line; the others, ValueError.
+    one_line = hasattr(args, "debug")
     try:
         return args.func(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad input: one line, exit code 2
+        if getattr(args, "debug", False) or not (one_line or isinstance(err, ValueError)):
+            raise
+        print(f"\nerror: {_one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - anything else: the last line of the failure, exit code 1
+        if getattr(args, "debug", False) or not one_line:
+            raise
+        print(f"\n{type(err).__name__}: {_one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(err: BaseException) -> str:
+    """The message of `err` on one line (an OSError without a message of its own shows its errno text and path)."""
+    text = str(err)
+    if isinstance(err, OSError) and err.strerror:  # "[Errno 13] ..." → the message (and the path it names)
+        text = err.strerror if err.filename is None else f"{err.filename}: {err.strerror}"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " ".join(lines) if len(lines) <= 3 else lines[-1]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from hf_loops.cli import main
 
 
 def test_demo_prints_tokens_with_depths(capsys):
-    assert main(["demo", "--max-new-tokens", "5", "--max-iterations", "2"]) == 0
+    assert main(["demo", "--random", "--max-new-tokens", "5", "--max-iterations", "2"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
     assert len(rows) == 5
