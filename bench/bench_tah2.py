@@ -20,7 +20,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_loops import TAH2_PRESETS
-from hf_loops.analysis.flops import decode_flops_fixed, decode_flops_standard, decode_flops_tah2
+from hf_loops.analysis.flops_tah2 import decode_flops_fixed, decode_flops_standard, decode_flops_tah2
 from hf_loops.conversion import convert_qwen3
 
 

@@ -216,52 +216,11 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
 
 
 # ----------------------------------------------------------------------------------------------------- FLOPs
-def _flops_tah2(config, prompt_streams, decode_depths, max_iterations):
-    from .analysis.flops import decode_flops_tah2
-
-    return decode_flops_tah2(config, decode_depths, prompt_streams, max_iterations)
-
-
-def _flops_standard(config, prompt_streams, decode_depths, max_iterations):
-    from .analysis.flops import decode_flops_standard
-
-    return decode_flops_standard(config, len(prompt_streams), len(decode_depths))
-
-
-def _flops_spiralformer(config, prompt_streams, decode_depths, max_iterations):
-    from .analysis.flops_spiralformer import SpiralShape, decode_core_flops_per_token
-
-    s = SpiralShape.from_config(config)
-    d = s.hidden
-    per_layer = 4 * d * (s.query_width + s.kv_width) + 6 * d * s.ffn
-    P, total = len(prompt_streams), 0.0
-    for t in range(1, len(decode_depths) + 1):
-        n = P + t
-        total += (s.num_pre + s.num_post) * (per_layer + 4 * s.query_width * n)
-        total += decode_core_flops_per_token(s, n) + 2 * d * s.vocab
-    return total
-
-
-def _flops_sgt(config, prompt_streams, decode_depths, max_iterations):
-    from .analysis.flops import decode_flops_standard
-    from .analysis.flops_sgt import plan_overhead
-
-    P, N = len(prompt_streams), len(decode_depths)
-    if N == 0:
-        return 0.0
-    base = decode_flops_standard(config, P, N)
-    return base * (1.0 + plan_overhead(config, seq_len=P + (N + 1) // 2))  # overhead at the mean context length
-
-
-# Decode-FLOPs accounting per model_type: (config, prompt stream counts r_j, decode depths m_t, M) → FLOPs.
-# Models without per-token depth pass depth 1 everywhere; unknown Qwen3-like types use the Standard formula.
-DECODE_FLOPS = {"tah2": _flops_tah2, "spiralformer": _flops_spiralformer, "sgt": _flops_sgt,
-                "qwen3": _flops_standard}
-
-
 def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> float:
-    fn = DECODE_FLOPS.get(getattr(config, "model_type", ""), _flops_standard)
-    return float(fn(config, list(prompt_streams), list(decode_depths), max_iterations))
+    """Decode FLOPs through the architecture registry (`hf_loops.analysis.flops`)."""
+    from .analysis import flops
+
+    return flops(config, prompt_streams, decode_depths, max_iterations)
 
 
 # ----------------------------------------------------------------------------------------------------- models
@@ -858,5 +817,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["DECODE_FLOPS", "EvalExample", "comparison_rows", "decode_flops", "evaluate", "extract_answer",
+__all__ = ["EvalExample", "comparison_rows", "decode_flops", "evaluate", "extract_answer",
            "load_examples", "load_model", "tokenize_example", "write_eval"]

@@ -5,7 +5,9 @@ different depths. Per case: DDP with and without unused-parameter detection, tra
 off. Checks a finite loss, a clean backward (no "marked ready twice"), identical gradients on both ranks, and labels
 equal to the slow reference on the union of both ranks' tokens (cut-offs and class balance are pooled)."""
 
+import faulthandler
 import json
+import os
 import random
 import sys
 
@@ -26,6 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def main(out_path, n_cases):
+    # A rank that waits on a collective its peer never issues would hang the suite: dump every thread's stack and
+    # exit instead.
+    faulthandler.dump_traceback_later(float(os.environ.get("HF_SWEEP_WATCHDOG_S", "300")), exit=True)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()

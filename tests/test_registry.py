@@ -58,3 +58,19 @@ def test_no_architecture_branches_outside_the_registry():
                 text = open(os.path.join(root, folder, fname), encoding="utf-8").read()
                 offenders += [f"{folder}/{fname}: {m.group(0)}" for m in pattern.finditer(text)]
     assert not offenders, offenders
+
+
+def test_one_flops_entry_dispatches_through_the_registry():
+    from hf_loops.analysis import flops
+    from hf_loops.analysis.flops_tah2 import decode_flops_standard, decode_flops_tah2
+
+    torch.manual_seed(0)
+    qwen = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=4)).eval()
+    tah2 = convert_qwen3(qwen, "tah2", seed=0)
+    depths, prompt = [1, 2, 2, 1], [1, 2, 1]
+    assert flops(tah2, prompt, depths) == decode_flops_tah2(tah2.config, depths, prompt)
+    assert flops(qwen, prompt, depths) == decode_flops_standard(qwen.config, 3, 4)
+    for name in ("spiralformer", "sgt"):
+        model = convert_qwen3(qwen, name, seed=0)
+        assert flops(model, prompt, [1] * 4) == get_spec(name).flops.decode_flops(model.config, prompt, [1] * 4)
+        assert flops(model, prompt, [1] * 4) > 0

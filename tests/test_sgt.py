@@ -18,8 +18,8 @@ import hf_loops  # noqa: F401  (registers the Auto classes)
 from hf_loops import SGTConfig, SGTForCausalLM
 from hf_loops.analysis.flops_sgt import (
     block_loop_overhead,
-    count_parameters,
     loop_flops_per_token,
+    parameters_of_config,
     plan_overhead,
     sgt_overhead,
     training_overhead,
@@ -494,7 +494,7 @@ def test_flops_reproduce_released_config_ratios():
     olmo = SGTConfig(vocab_size=50304, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
                      num_attention_heads=16, num_key_value_heads=16, head_dim=dh, tie_word_embeddings=False,
                      loop_plan=[{"layer": 15, "heads": [3, 7], "depth": 1}])
-    assert abs(count_parameters(olmo) / 1e6 - 371.5) < 0.5
+    assert abs(parameters_of_config(olmo) / 1e6 - 371.5) < 0.5
     assert round(100 * plan_overhead(olmo, t), 2) == 0.31
     # Block Loop baseline as a configuration: 3 blocks → 14.9 % with the same N.
     fields = {k: v for k, v in olmo.to_dict().items() if k not in ("model_type", "transformers_version")}

@@ -60,7 +60,7 @@ def block_loop_overhead(num_blocks: int, depth: int = 1, *, d_model: int, seq_le
     return extra / model_flops_per_token(num_params, num_layers, d_model, seq_len)
 
 
-def count_parameters(config) -> int:
+def parameters_of_config(config) -> int:
     """Parameters of a Qwen3-style config (embeddings, attention, SwiGLU MLP, norms, untied head if any)."""
     d, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
@@ -87,7 +87,7 @@ def plan_overhead(config, seq_len: int, plan=None, num_params: float | None = No
     """
     d = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    n = count_parameters(config) if num_params is None else num_params
+    n = parameters_of_config(config) if num_params is None else num_params
     if getattr(config, "loop_mode", "heads") == "block":
         return block_loop_overhead(len(config.block_loop_layers), config.block_loop_depth, d_model=d,
                                    seq_len=seq_len, num_params=n, num_layers=config.num_hidden_layers,
@@ -107,5 +107,17 @@ def training_overhead(per_step_overheads: Iterable[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-__all__ = ["block_flops_per_token", "block_loop_overhead", "count_parameters", "loop_flops_per_token",
+__all__ = ["block_flops_per_token", "block_loop_overhead", "parameters_of_config", "loop_flops_per_token",
            "model_flops_per_token", "plan_overhead", "sgt_overhead", "training_overhead"]
+
+
+def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> float:
+    """Decode FLOPs of SGT for `len(decode_depths)` tokens after a prompt of `len(prompt_streams)`: the Standard
+    formula times the loop plan's overhead at the mean context length (no per-token depth)."""
+    from .flops_tah2 import decode_flops_standard
+
+    P, N = len(prompt_streams), len(decode_depths)
+    if N == 0:
+        return 0.0
+    base = decode_flops_standard(config, P, N)
+    return base * (1.0 + plan_overhead(config, seq_len=P + (N + 1) // 2))

@@ -247,3 +247,17 @@ def mesh_router_parameters(hidden: int, num_iterations: int, mesh_slots: int | N
 def mesh_buffer_bytes(mesh_slots: int, L: int, hidden: int, bytes_per_element: int = 2) -> int:
     """Training memory of one live MeSH buffer per sample: B·L·d elements."""
     return mesh_slots * L * hidden * bytes_per_element
+
+
+def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> float:
+    """Decode FLOPs of SpiralFormer for `len(decode_depths)` tokens after a prompt of `len(prompt_streams)` tokens:
+    pre/post layers per token plus the core's amortised per-token cost at each context length, and the LM head."""
+    s = SpiralShape.from_config(config)
+    d = s.hidden
+    per_layer = 4 * d * (s.query_width + s.kv_width) + 6 * d * s.ffn
+    P, total = len(prompt_streams), 0.0
+    for t in range(1, len(decode_depths) + 1):
+        n = P + t
+        total += (s.num_pre + s.num_post) * (per_layer + 4 * s.query_width * n)
+        total += decode_core_flops_per_token(s, n) + 2 * d * s.vocab
+    return total

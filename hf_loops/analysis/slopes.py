@@ -13,7 +13,7 @@ import random
 from collections import Counter
 from typing import Callable, NamedTuple, Sequence
 
-from .flops import decode_flops_tah2
+from .flops_tah2 import decode_flops_tah2
 
 PAPER_CUTOFFS = tuple(range(4096, 16385, 2048))
 EXTENDED_CUTOFFS = (4096, 6144, 8192, 12288, 16384, 20480, 24576, 28672, 32768)

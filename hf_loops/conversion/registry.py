@@ -108,7 +108,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
                         "core_adapter", "exit_kv_fill"),
         new_module_prefixes=("updater.", "decider.", "core_adapter."),
         one_loop_logits=_tah2_one_loop_logits, parity_setting="max_iterations=1", reports_depth=True,
-        import_native=_tah2_import_native, flops_module="..analysis.flops",
+        import_native=_tah2_import_native, flops_module="..analysis.flops_tah2",
     ),
     "spiralformer": ArchitectureSpec(
         name="spiralformer", config_class=SpiralFormerConfig, model_class=SpiralFormerForCausalLM,

@@ -168,3 +168,9 @@ def training_flops_tah2(config, depths: Sequence[int], max_iterations: int | Non
             n_m = sum(1 for m_t in depths if m_t >= m)
             label += n_m * (c.updater + c.backbone + c.head) + c.attention_per_key * keys(m + 1, True)
     return {"forward": forward, "label": label, "total": 3 * forward + label, "tokens": T}
+
+
+def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> float:
+    """Decode FLOPs of TaH2 (Eqs. 14–20) for the per-token depths `decode_depths` after a prompt whose positions kept
+    `prompt_streams` streams (at M = 1 this equals the Standard formula)."""
+    return decode_flops_tah2(config, decode_depths, prompt_streams, max_iterations)
