@@ -207,11 +207,6 @@ def test_sweep_covers_some_depth2_none_depth3_and_a_fully_padded_row(M):
 def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     """The sweep under DDP (with and without unused-parameter detection): ranks execute different depths, often one
     rank continues nothing; loss, backward, gradient sync and pooled labels all hold."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "report.json"
     here = os.path.dirname(os.path.abspath(__file__))
     # A clean environment: state that earlier in-process runs left in os.environ (accelerate/torch.distributed
@@ -219,8 +214,9 @@ def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     keep = ("PATH", "HOME", "TMPDIR", "LANG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(PYTHONPATH=here, OMP_NUM_THREADS="1", HF_SWEEP_WATCHDOG_S="240")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), os.path.join(here, "dist_sweep_worker.py"), str(out), "40"]
+    # --standalone: torchrun picks its own free port (no race between choosing a port and binding it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(here, "dist_sweep_worker.py"), str(out), "40"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "File " in line]
     assert res.returncode == 0, "\n".join(errors[-40:]) or res.stderr[-4000:]

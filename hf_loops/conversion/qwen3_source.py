@@ -12,11 +12,9 @@ from transformers import PreTrainedModel, Qwen3ForCausalLM
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.utils import logging as hf_logging
 
+from ..modeling.loop_utils import NON_ARCH_KEYS
 from .checks import check_safetensors_files, load_tokenizer, read_json_file
 from .hub import resolve_source_dir
-
-# Keys of a saved config that describe the file rather than the architecture.
-NON_ARCH_KEYS = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype")
 
 
 def qwen3_config_fields(config: Qwen3Config | dict) -> dict:

@@ -20,6 +20,11 @@ import typing
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+# Keys of a saved config.json that describe the file rather than the architecture (dropped when a config's fields are
+# carried into another config class).
+NON_ARCH_KEYS = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype",
+                 "torch_dtype")
+
 
 def ensure_cache_slots(cache: Cache, num_slots: int) -> Cache:
     """Grow `cache.layers` in place to at least `num_slots` dynamic layers.

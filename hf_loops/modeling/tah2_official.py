@@ -17,6 +17,8 @@ import os
 import torch
 from transformers.utils import logging
 
+from .loop_utils import NON_ARCH_KEYS
+
 logger = logging.get_logger(__name__)
 
 TAH_CONFIG_FILE = "tah_config.json"
@@ -35,9 +37,6 @@ KNOWN_INIT_ARGS = {
     "rms_norm_eps", "eps", "dtype", "torch_dtype", "uniform_init", "vocab_size", "config",
 }
 
-# The Qwen3 fields of a config.json that describe the file, not the architecture.
-_NON_ARCH_KEYS = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype",
-                  "torch_dtype")
 
 
 def is_official_tah2_dir(path) -> bool:
@@ -131,7 +130,7 @@ def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict,
             f"found model_type {qwen.get('model_type')!r}"
         )
     tah = _read_json(os.path.join(path, TAH_CONFIG_FILE))
-    kw = {k: v for k, v in qwen.items() if k not in _NON_ARCH_KEYS}
+    kw = {k: v for k, v in qwen.items() if k not in NON_ARCH_KEYS}
     d = kw["hidden_size"]
 
     max_iter = tah.get("max_iter", 2)
@@ -259,3 +258,87 @@ def load_official_tah2(config_cls, backbone_loader, path, allow_pickle: bool = F
         info = dict(info, missing_keys=bad_missing)
         return model, info
     return model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writing the layout (the other direction; `hf_loops.conversion.export_tah2` adds the atomic output directory)
+# ----------------------------------------------------------------------------------------------------------------------
+
+# our config value → official class name
+DECIDER_NAMES = {v: k for k, v in DECIDER_CLASSES.items()}
+UPDATER_NAMES = {v: k for k, v in UPDATER_CLASSES.items()}
+MIXTURE_NAMES = {v: k for k, v in MIXTURES.items()}
+
+
+def _architecture_fields(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in NON_ARCH_KEYS}
+
+
+def _tah2_only_fields(config) -> set[str]:
+    return set(type(config).__annotations__)
+
+
+def check_official_equivalents(config) -> None:
+    """The official layout has no form for some of our settings: say which, before anything is written."""
+    for field, names in (("updater", UPDATER_NAMES), ("decider", DECIDER_NAMES), ("mixture", MIXTURE_NAMES)):
+        if getattr(config, field) not in names:
+            raise ValueError(f"export_tah2: {field} {getattr(config, field)!r} has no official equivalent "
+                             f"(official: {sorted(names)})")
+
+
+def write_official_tah2(model, directory: str, tokenizer=None) -> None:
+    """Write `model` (a TaH2ForCausalLM) into the existing `directory` in the official layout: the plain Qwen3
+    backbone, `tah_config.json` and the two components. Reading it back (`load_official_tah2`) is bit-identical."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = model.config
+    check_official_equivalents(cfg)
+    tmp = directory
+    # 1) the plain Qwen3 backbone: the same tensors under a Qwen3ForCausalLM (built on meta, no copy)
+    fields = {k: v for k, v in _architecture_fields(cfg).items() if k not in _tah2_only_fields(cfg)}
+    qcfg = Qwen3Config(**fields)
+    with torch.device("meta"):
+        qwen = Qwen3ForCausalLM(qcfg)
+    backbone = {k: v for k, v in model.state_dict().items() if not k.startswith(("updater.", "decider."))}
+    if qcfg.tie_word_embeddings:
+        backbone.pop("lm_head.weight", None)
+    qwen.load_state_dict(backbone, strict=not qcfg.tie_word_embeddings, assign=True)
+    if qcfg.tie_word_embeddings:
+        qwen.tie_weights()
+    qwen.generation_config = model.generation_config
+    qwen.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+
+    # 2) tah_config.json
+    decider_cls, updater_cls = DECIDER_NAMES[cfg.decider], UPDATER_NAMES[cfg.updater]
+    tah = {
+        "embedding_key": "model.embed_tokens",
+        "max_iter": cfg.max_iterations,
+        "iter_attention_mode": cfg.iteration_attention,
+        "weighted_hidden_method": MIXTURE_NAMES[cfg.mixture],
+        "iter_decider": decider_cls,
+        "iter_decider_kwargs": {"threshold": cfg.exit_threshold},
+        "input_updater": updater_cls,
+        "input_updater_kwargs": {},
+    }
+    with open(os.path.join(tmp, TAH_CONFIG_FILE), "w") as f:
+        json.dump(tah, f, indent=2)
+
+    # 3) the two components
+    d = cfg.hidden_size
+    dec_state = {}
+    dec_args = {"threshold": cfg.exit_threshold}
+    if model.decider is not None:
+        dec_state = {k: v.detach().clone() for k, v in model.decider.state_dict().items()}
+        dec_args.update(hidden_size=d, intermediate_size=cfg.decider_intermediate_size, topk=cfg.decider_topk)
+    dec_state["threshold"] = torch.tensor(cfg.exit_threshold, dtype=torch.float64)  # exact τ round trip
+    torch.save({"class": decider_cls, "init_args": dec_args, "state_dict": dec_state},
+               os.path.join(tmp, DECIDER_FILE))
+    upd_state, upd_args = {}, {}
+    if model.updater is not None:
+        upd_state = {k: v.detach().clone() for k, v in model.updater.state_dict().items()}
+        upd_args = {"hidden_size": d, "intermediate_size": cfg.updater_intermediate_size,
+                    "enable_norm_pre_mlp": cfg.updater_norm_pre_mlp, "enable_norm_out": cfg.updater_norm_out}
+    torch.save({"class": updater_cls, "init_args": upd_args, "state_dict": upd_state},
+               os.path.join(tmp, UPDATER_FILE))
