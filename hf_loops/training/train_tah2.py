@@ -343,15 +343,7 @@ def build_model(base: str, overrides: dict, dtype: str = "float32", seed: int | 
     from ..conversion import convert_qwen3
 
     kw = dict(overrides, seed=seed, dtype=None if dtype == "auto" else getattr(torch, dtype))
-    if os.path.isdir(base):
-        return convert_qwen3(base, "tah2", **kw)
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(base, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
-    except Exception as err:
-        raise _offline_hint(f"base model {base!r}", err) from err
-    return convert_qwen3(local, "tah2", **kw)
+    return convert_qwen3(base, "tah2", **kw)  # a Hub id is fetched by the one download path, conversion.hub
 
 
 def lora_config(r: int, alpha: int):
