@@ -1,7 +1,7 @@
 """Pretrain the embedded default base: a tiny Qwen3-architecture causal LM with its own byte-level BPE tokenizer.
 
     python examples/pretrain_base.py --out hf_loops/data/base --overwrite            # the shipped base
-    python examples/pretrain_base.py --out /tmp/b --steps 3 --hidden-size 32 ...      # a quick smoke run
+    python examples/pretrain_base.py --out outputs/base-smoke --steps 3 --hidden-size 32 ...      # a quick smoke run
 
 Data: `shakespeare.txt` and `python_docs.txt` of `--corpus` (default `../shared/data/corpus`), the last
 `--heldout-fraction` of each file held out (cut at a line break), plus the vendored GSM8K problems: every question,
