@@ -11,7 +11,7 @@ from typing import Literal
 
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-from .loop_utils import check_choice_fields, check_int_field
+from .loop_utils import check_choice_fields, check_int_field, validated_at_load
 
 
 def _is_int(value) -> bool:
@@ -148,9 +148,7 @@ class SGTConfig(Qwen3Config):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """`from_pretrained(..., loop_plan=...)` sets load-time values after `__init__`: validate them too."""
-        result = super().from_dict(config_dict, **kwargs)
-        (result[0] if isinstance(result, tuple) else result).check_loop_fields()
-        return result
+        return validated_at_load(super().from_dict(config_dict, **kwargs))
 
     def check_loop_fields(self) -> None:
         """Validate (and canonicalise) every SGT field; ValueError naming the field."""

@@ -12,7 +12,7 @@ from typing import Literal
 
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-from .loop_utils import check_choice_fields, check_int_field, literal_choices
+from .loop_utils import check_choice_fields, check_int_field, literal_choices, validated_at_load
 
 QWEN3_DEFAULT_NUM_LAYERS = Qwen3Config.num_hidden_layers
 
@@ -84,9 +84,7 @@ class SpiralFormerConfig(Qwen3Config):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """`from_pretrained(..., chunk_sizes=...)` sets load-time values after `__init__`: validate them too."""
-        result = super().from_dict(config_dict, **kwargs)
-        (result[0] if isinstance(result, tuple) else result).check_loop_fields()
-        return result
+        return validated_at_load(super().from_dict(config_dict, **kwargs))
 
     def check_loop_fields(self) -> None:
         """Validate (and complete) every SpiralFormer field; ValueError naming the field."""

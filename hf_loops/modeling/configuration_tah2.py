@@ -10,7 +10,7 @@ from typing import Literal
 
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-from .loop_utils import check_choice_fields, check_int_field, literal_choices
+from .loop_utils import check_choice_fields, check_int_field, literal_choices, validated_at_load
 
 # Baselines of the paper expressed as configurations (README "Baselines").
 TAH2_PRESETS: dict[str, dict] = {
@@ -146,9 +146,7 @@ class TaH2Config(Qwen3Config):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """`from_pretrained(..., exit_threshold=2.0)` sets load-time values after `__init__`: validate them too."""
-        result = super().from_dict(config_dict, **kwargs)
-        (result[0] if isinstance(result, tuple) else result).check_loop_fields()
-        return result
+        return validated_at_load(super().from_dict(config_dict, **kwargs))
 
 
 ITERATION_ATTENTION_MODES = literal_choices(TaH2Config, "iteration_attention")

@@ -187,6 +187,13 @@ def check_int_field(config, name: str, minimum: int, maximum: int | None = None)
         raise ValueError(f"{type(config).__name__}.{name} must be an integer {bound}, got {value!r}")
 
 
+def validated_at_load(result):
+    """`from_pretrained(dir, field=value)` sets load-time values after `__init__` (`PreTrainedConfig.from_dict`): run the
+    config's own checks on the result too (a config or a (config, unused kwargs) pair)."""
+    (result[0] if isinstance(result, tuple) else result).check_loop_fields()
+    return result
+
+
 def closest_name(name: str, candidates) -> str | None:
     """The valid name a misspelt key most likely meant (None if nothing is close)."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
