@@ -395,8 +395,6 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
              decider_accuracy: bool = True, progress: bool = True, name: str | None = None) -> dict:
     """Evaluate one model (an instance or a checkpoint path/id) on `examples` or `dataset`; returns a JSON-able dict
     {"name", "model", "metrics", "examples"} (see the module docstring for the metrics)."""
-    import torch
-
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -410,26 +408,50 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
         examples = load_examples(dataset, split)
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("--batch-size and --max-new-tokens must be >= 1")
-    rx = answer_regex(answer_pattern)
     model.eval()
     loop_kw = _loop_kwargs(model, max_iterations, exit_threshold)
-    cfg = model.config
-    M = loop_kw.get("max_iterations", getattr(cfg, "max_iterations", 1))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = stop_token_ids(model, tokenizer)
+    M = loop_kw.get("max_iterations", getattr(model.config, "max_iterations", 1))
+    label = f"eval {name or run_name(model)}"
+    tokenized = _tokenize_all(tokenizer, examples)
+    records, gen_time, gen_tokens = _run_batches(model, tokenizer, tokenized, batch_size, max_new_tokens, loop_kw,
+                                                 stop_strings, label, progress)
+    depth_model = "depths" in records[0]
+    decisions = (_decider_decisions(model, tokenized, loop_kw, label, progress)
+                 if decider_accuracy and depth_model and M >= 2 else {})
+    items = _example_items(model, tokenizer, examples, tokenized, records, answer_regex(answer_pattern), M)
+    metrics = _summary(items, gen_time, gen_tokens, M, max_new_tokens, batch_size, depth_model, decisions)
+    result = {"name": name or run_name(model), "model": path, "model_type": model.config.model_type,
+              "architecture": type(model).__name__, "dataset": dataset, "split": split, "metrics": metrics,
+              "examples": items}
+    if path and os.path.isfile(os.path.join(path, TRAIN_SUMMARY)):
+        with open(os.path.join(path, TRAIN_SUMMARY), encoding="utf-8") as f:
+            result["training"] = json.load(f)
+    return result
+
+
+def _tokenize_all(tokenizer, examples) -> list:
     tokenized = [tokenize_example(tokenizer, ex) for ex in examples]
     for k, (p, a) in enumerate(tokenized):
         if not p or not a:
             raise ValueError(f"example {k + 1}: empty {'prompt' if not p else 'completion'} after tokenisation")
-    batches = [list(range(i, min(i + batch_size, len(examples)))) for i in range(0, len(examples), batch_size)]
+    return tokenized
 
-    records = [dict(index=k) for k in range(len(examples))]
+
+def _run_batches(model, tokenizer, tokenized, batch_size, max_new_tokens, loop_kw, stop_strings, label, progress):
+    """Teacher-forced answer NLL/depths and greedy generation, batched with left padding: (records, s, tokens)."""
+    import torch
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop_ids = stop_token_ids(model, tokenizer)
+    n = len(tokenized)
+    batches = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+    records = [dict(index=k) for k in range(n)]
+    gen_time, gen_tokens = 0.0, 0
     with torch.no_grad():
-        for b in _progress(batches, f"eval {name or run_name(model)}: answer NLL", progress):
+        for b in _progress(batches, f"{label}: answer NLL", progress):
             for k, row in zip(b, _teacher_forced(model, [tokenized[k] for k in b], pad_id, loop_kw)):
                 records[k].update(row)
-        gen_time, gen_tokens = 0.0, 0
-        for b in _progress(batches, f"eval {name or run_name(model)}: generate", progress):
+        for b in _progress(batches, f"{label}: generate", progress):
             t0 = time.perf_counter()
             rows = _generate(model, tokenizer, [tokenized[k][0] for k in b], pad_id, stop_ids, max_new_tokens,
                              loop_kw, stop_strings)
@@ -437,28 +459,30 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
             for k, row in zip(b, rows):
                 gen_tokens += len(row["ids"])
                 records[k]["generated"] = row
-    depth_model = "depths" in records[0]
-    dec_correct, dec_total = {}, {}
-    if decider_accuracy and depth_model and M >= 2:
-        for k in _progress(range(len(examples)), f"eval {name or run_name(model)}: decider labels", progress):
-            counts = _decider_counts(model, tokenized[k][0], tokenized[k][1], loop_kw)
-            if counts is None:
-                break
-            for m, (c, n) in counts.items():
-                dec_correct[m] = dec_correct.get(m, 0) + c
-                dec_total[m] = dec_total.get(m, 0) + n
+    return records, gen_time, gen_tokens
 
-    # ---- per-example records
+
+def _decider_decisions(model, tokenized, loop_kw, label, progress) -> dict:
+    """{depth m: (decisions matching the lookahead labels, decisions)} over every example."""
+    out = {}
+    for k in _progress(range(len(tokenized)), f"{label}: decider labels", progress):
+        counts = _decider_counts(model, tokenized[k][0], tokenized[k][1], loop_kw)
+        if counts is None:
+            break
+        for m, (c, n) in counts.items():
+            old = out.get(m, (0, 0))
+            out[m] = (old[0] + c, old[1] + n)
+    return out
+
+
+def _example_items(model, tokenizer, examples, tokenized, records, rx, M) -> list[dict]:
+    """One JSON record per example: the answer's NLL (and depths), the generation, its answer and decode FLOPs."""
     special = set(tokenizer.all_special_ids)
-    flops_total, decode_positions = 0.0, 0
-    out_examples = []
+    items = []
     for k, (ex, (p, a), rec) in enumerate(zip(examples, tokenized, records)):
         gen = rec["generated"]
         text = tokenizer.decode(gen["ids"], skip_special_tokens=True)
         pred, gold = extract_answer(text, rx), extract_answer(ex.reference, rx)
-        f = decode_flops(cfg, gen["prompt_streams"], gen["decode_depths"], M)
-        flops_total += f
-        decode_positions += len(gen["decode_depths"])
         item = {
             "index": k,
             "question": ex.prompt[-1]["content"] if isinstance(ex.prompt, list) else ex.prompt,
@@ -470,23 +494,29 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
             "answer_tokens": [tokenizer.decode([t]) for t in a],
             "answer_special": [t in special for t in a],
             "answer_nll": rec["nll"],
-            "decode_flops": f,
+            "decode_flops": decode_flops(model.config, gen["prompt_streams"], gen["decode_depths"], M),
+            "decode_positions": len(gen["decode_depths"]),
         }
-        if depth_model:
+        if "depths" in rec:
             item["answer_depths"] = rec["depths"]
             item["answer_continue_probs"] = rec["continue_probs"]
             item["generated_depths"] = gen.get("generated_depths", [])
-        out_examples.append(item)
+        items.append(item)
+    return items
 
-    n_tok = sum(len(e["answer_nll"]) for e in out_examples)
-    nll = sum(sum(e["answer_nll"]) for e in out_examples) / max(n_tok, 1)
-    correct = sum(e["correct"] for e in out_examples)
+
+def _summary(items, gen_time, gen_tokens, M, max_new_tokens, batch_size, depth_model, decisions) -> dict:
+    n_tok = sum(len(e["answer_nll"]) for e in items)
+    nll = sum(sum(e["answer_nll"]) for e in items) / max(n_tok, 1)
+    correct = sum(e["correct"] for e in items)
+    decode_positions = sum(e.pop("decode_positions") for e in items)
+    flops_total = sum(e["decode_flops"] for e in items)
     metrics = {
-        "examples": len(out_examples),
+        "examples": len(items),
         "answer_tokens": n_tok,
         "answer_nll": nll,
         "perplexity": math.exp(nll) if nll < 700 else float("inf"),
-        "exact_match": correct / len(out_examples),
+        "exact_match": correct / len(items),
         "correct": correct,
         "generated_tokens": gen_tokens,
         "generation_seconds": gen_time,
@@ -498,18 +528,11 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
         "batch_size": batch_size,
     }
     if depth_model:
-        metrics.update(depth_metrics(out_examples, M))
-        if dec_total:
-            metrics["decider_accuracy"] = {str(m): dec_correct[m] / dec_total[m] if dec_total[m] else None
-                                           for m in sorted(dec_total)}
-            metrics["decider_decisions"] = {str(m): dec_total[m] for m in sorted(dec_total)}
-    result = {"name": name or run_name(model), "model": path, "model_type": cfg.model_type,
-              "architecture": type(model).__name__, "dataset": dataset, "split": split, "metrics": metrics,
-              "examples": out_examples}
-    if path and os.path.isfile(os.path.join(path, TRAIN_SUMMARY)):
-        with open(os.path.join(path, TRAIN_SUMMARY), encoding="utf-8") as f:
-            result["training"] = json.load(f)
-    return result
+        metrics.update(depth_metrics(items, M))
+        if decisions:
+            metrics["decider_accuracy"] = {str(m): c / n if n else None for m, (c, n) in sorted(decisions.items())}
+            metrics["decider_decisions"] = {str(m): n for m, (c, n) in sorted(decisions.items())}
+    return metrics
 
 
 def depth_metrics(examples: Sequence[dict], max_iterations: int) -> dict:
