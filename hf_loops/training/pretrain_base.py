@@ -439,9 +439,7 @@ def validate(args) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the pretraining; returns the report (also written to OUT/pretrain_report.json)."""
-    import transformers
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     args = build_parser().parse_args(argv)
     validate(args)
@@ -450,6 +448,30 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start = time.time()
+    data = _prepare_data(args)
+    torch.manual_seed(args.seed)
+    config = build_config(args, data.tokenizer)
+    model = Qwen3ForCausalLM(config).float()
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters", file=sys.stderr)
+    report = _initial_report(args, argv, config, data, n_params)
+    _train(model, data, args, report, out)
+    _finish(model, data, args, report, out, t_start)
+    print(f"saved {out} ({report['weights_bytes'] / 2**20:.2f} MiB, {n_params:,} parameters)", file=sys.stderr)
+    return report
+
+
+class _Data:
+    """The tokenizer, the training stream and the held-out blocks of one run."""
+
+    def __init__(self, tokenizer, train_ids, gsm_ids, heldout_ids, stream, blocks):
+        self.tokenizer, self.train_ids, self.gsm_ids = tokenizer, train_ids, gsm_ids
+        self.heldout_ids, self.stream, self.blocks = heldout_ids, stream, blocks
+
+
+def _prepare_data(args) -> _Data:
+    from transformers import AutoTokenizer
 
     corpus = read_corpus(args.corpus, args.heldout_fraction, args.max_chars)
     if args.tokenizer:
@@ -461,7 +483,6 @@ def main(argv: list[str] | None = None) -> dict:
         gsm_text = "\n\n".join(f"{r['question']}\n{r['answer']}" for r in load_gsm8k())
         tokenizer = train_tokenizer([train for train, _ in corpus.values()] + [gsm_text], args.vocab_size)
     eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-
     train_ids: list[int] = []
     heldout_ids = {}
     for name, (train, heldout) in corpus.items():
@@ -475,34 +496,27 @@ def main(argv: list[str] | None = None) -> dict:
     blocks = {n: b for n, b in blocks.items() if b is not None}
     print(f"tokens: train {len(stream):,} (GSM8K {len(gsm_ids):,} x{args.gsm8k_repeats}), held-out "
           + ", ".join(f"{n} {len(v):,}" for n, v in heldout_ids.items()) + f"; vocab {len(tokenizer)}", file=sys.stderr)
-
-    torch.manual_seed(args.seed)
-    config = build_config(args, tokenizer)
-    model = Qwen3ForCausalLM(config).float()
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters", file=sys.stderr)
-
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    window_gen = torch.Generator().manual_seed(args.seed)
-    n_windows = len(stream) - args.seq_len - 1
-    if n_windows < 1:
+    if len(stream) - args.seq_len - 1 < 1:
         raise ValueError(f"training stream too short ({len(stream)} tokens) for --seq-len {args.seq_len}")
+    return _Data(tokenizer, train_ids, gsm_ids, heldout_ids, stream, blocks)
 
-    def evaluate() -> dict:
-        losses = {n: block_loss(model, b) for n, b in blocks.items()}
-        if losses:
-            losses["mean"] = sum(losses.values()) / len(losses)
-        return losses
 
-    unigram = {n: unigram_cross_entropy(train_ids, ids, len(tokenizer)) for n, ids in heldout_ids.items() if ids}
+def _heldout(model, data: _Data) -> dict:
+    losses = {n: block_loss(model, b) for n, b in data.blocks.items()}
+    if losses:
+        losses["mean"] = sum(losses.values()) / len(losses)
+    return losses
+
+
+def _initial_report(args, argv, config, data: _Data, n_params: int) -> dict:
+    import transformers
+
+    vocab = len(data.tokenizer)
+    unigram = {n: unigram_cross_entropy(data.train_ids, ids, vocab) for n, ids in data.heldout_ids.items() if ids}
     if unigram:
         unigram["mean"] = sum(unigram.values()) / len(unigram)
     argv_list = list(sys.argv[1:] if argv is None else argv)
-    report = {
+    return {
         "command": "python examples/pretrain_base.py " + shlex.join(argv_list),
         "seed": args.seed, "threads": args.threads, "steps": args.steps, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "min_lr_ratio": args.min_lr_ratio,
@@ -511,22 +525,33 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                     "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "head_dim")},
-        "train_tokens": len(stream), "unigram_loss": unigram,
+        "train_tokens": len(data.stream), "unigram_loss": unigram,
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "eval_curve": [],
     }
-    initial = evaluate()
+
+
+def _train(model, data: _Data, args, report: dict, out: Path) -> None:
+    """AdamW (no decay on vectors), warm-up + cosine, random windows of the stream from a seeded generator."""
+    from tqdm.auto import tqdm
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    window_gen = torch.Generator().manual_seed(args.seed)
+    n_windows = len(data.stream) - args.seq_len - 1
+    initial = _heldout(model, data)
     if initial:
         report["eval_curve"].append((0, initial["mean"]))
         print(f"step 0: held-out {initial}", file=sys.stderr)
-
     t_train = time.time()
     bar = tqdm(range(args.steps), desc="pretrain", disable=args.no_progress, mininterval=5)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(0, n_windows, (args.batch_size,), generator=window_gen)
-        batch = torch.stack([stream[s : s + args.seq_len + 1] for s in starts.tolist()])
+        batch = torch.stack([data.stream[s : s + args.seq_len + 1] for s in starts.tolist()])
         logits = model(input_ids=batch[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -535,44 +560,44 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
         done = step + 1
-        if args.eval_every and done % args.eval_every == 0 and done < args.steps and blocks:
-            ev = evaluate()
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps and data.blocks:
+            ev = _heldout(model, data)
             report["eval_curve"].append((done, ev["mean"]))
             print(f"\nstep {done}: train {loss.item():.3f}, held-out {ev}", file=sys.stderr, flush=True)
         if args.save_every and done % args.save_every == 0 and done < args.steps:
             report.update(steps_done=done, tokens_seen=done * args.batch_size * args.seq_len,
-                          train_seconds=time.time() - t_train, heldout_loss=evaluate(), samples={})
+                          train_seconds=time.time() - t_train, heldout_loss=_heldout(model, data), samples={})
             ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else out.with_name(out.name + ".checkpoint")
-            _write_result(ckpt, model, tokenizer, args, report, final=False)
+            _write_result(ckpt, model, data.tokenizer, args, report, final=False)
     bar.close()
+    report["train_seconds"] = time.time() - t_train
 
-    final = evaluate()
+
+def _finish(model, data: _Data, args, report: dict, out: Path, t_start: float) -> None:
+    """Final held-out loss, the probe and samples from the model as stored, and the result folder."""
+    final = _heldout(model, data)
     if final:
         report["eval_curve"].append((args.steps, final["mean"]))
-    report.update(steps_done=args.steps, tokens_seen=args.steps * args.batch_size * args.seq_len,
-                  train_seconds=time.time() - t_train, heldout_loss=final)
-    print(f"final held-out {final}; unigram {unigram}", file=sys.stderr)
-
+    report.update(steps_done=args.steps, tokens_seen=args.steps * args.batch_size * args.seq_len, heldout_loss=final)
+    print(f"final held-out {final}; unigram {report['unigram_loss']}", file=sys.stderr)
     # Probe and samples from the model *as stored* (cast to --save-dtype), so the test can recompute them.
     stored = type(model)(model.config)
     stored.load_state_dict(model.state_dict())
     stored.to(getattr(torch, args.save_dtype)).eval()
-    if blocks:
-        report["heldout_probe_loss"] = heldout_probe_loss(stored, tokenizer, args.corpus, args.heldout_fraction)
+    if data.blocks:
+        report["heldout_probe_loss"] = heldout_probe_loss(stored, data.tokenizer, args.corpus, args.heldout_fraction)
     samples = {}
     if args.sample_tokens:
         from hf_loops.data import EVAL_ROWS, load_gsm8k
 
         question = load_gsm8k(EVAL_ROWS)[0]["question"]
-        prompts = dict(SAMPLE_PROMPTS, gsm8k_chat=tokenizer.apply_chat_template(
+        prompts = dict(SAMPLE_PROMPTS, gsm8k_chat=data.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True))
         for name, prompt in prompts.items():
-            samples[name] = sample(stored, tokenizer, prompt, args.sample_tokens, args.seed)
+            samples[name] = sample(stored, data.tokenizer, prompt, args.sample_tokens, args.seed)
     report["samples"] = samples
     report["total_seconds"] = time.time() - t_start
-    _write_result(out, model, tokenizer, args, report, final=True)
-    print(f"saved {out} ({report['weights_bytes'] / 2**20:.2f} MiB, {n_params:,} parameters)", file=sys.stderr)
-    return report
+    _write_result(out, model, data.tokenizer, args, report, final=True)
 
 
 def cli(argv: list[str] | None = None) -> int:
