@@ -49,7 +49,7 @@ def _example():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "pretrain_spiralformer.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "pretrain_spiralformer.py"
     spec = importlib.util.spec_from_file_location("pretrain_spiralformer_recipes", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -21,7 +21,7 @@ from conversion_helpers import qwen3_dir, tiny_qwen3, tiny_tokenizer, write_offi
 from hf_loops.conversion import convert_qwen3, export
 from hf_loops.conversion.export import TMP_PREFIX, atomic_output_dir, check_output_dir
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers and helpers
 REPO = os.path.dirname(HERE)
 OUTDIR = os.path.join(REPO, "hf_loops", "conversion", "outdir.py")
 CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -227,7 +227,7 @@ def test_ouro_stage2_training_moves_only_the_gate(tmp_path):
 # Through `hf-loops train`: a few CPU steps, save, load with and without hf_loops, generate
 # ----------------------------------------------------------------------------------------------------------------------
 
-from test_train_cli import _argv, data  # noqa: E402,F401  (the tiny tokenizer/base fixture)
+from train_cli_helpers import _argv, tiny_train_setup  # noqa: E402,F401  (the `data` fixture)
 
 CHILD = """
 import sys
@@ -243,7 +243,7 @@ for path in sys.argv[2:]:
 """
 
 
-def test_both_baselines_train_save_load_by_remote_code_and_generate(data, tmp_path):  # noqa: F811
+def test_both_baselines_train_save_load_by_remote_code_and_generate(data, tmp_path):
     import os
     import subprocess
     import sys

@@ -10,7 +10,7 @@ import torch
 
 from hf_loops import SpiralFormerConfig, SpiralFormerForCausalLM
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DATA = (REPO / ".." / "shared" / "data").resolve()
 needs_data = pytest.mark.skipif(
     not (DATA / "corpus").is_dir() or not (DATA / "qwen3-tokenizer").is_dir(), reason="shared/data not available"

@@ -13,7 +13,7 @@ from hf_loops.training.tah2_labels import compute_depth_labels
 from hf_loops.training.train_tah2 import main as train_main
 from hf_loops.training.train_tah2 import run as train_run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers and helpers
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_unknown_architecture_names_the_choices():
 
 def test_no_architecture_branches_outside_the_registry():
     """`if arch == "..."` belongs in a registry entry; conversion, reports, cards and the CLI read the spec."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf_loops")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hf_loops")
     pattern = re.compile(r"""(arch|model_type)\s*[!=]=\s*["'](tah2|spiralformer|sgt)["']""")
     offenders = []
     for folder in ("conversion", "."):

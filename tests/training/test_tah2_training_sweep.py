@@ -208,7 +208,7 @@ def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     """The sweep under DDP (with and without unused-parameter detection): ranks execute different depths, often one
     rank continues nothing; loss, backward, gradient sync and pooled labels all hold."""
     out = tmp_path / "report.json"
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers
     # A clean environment: state that earlier in-process runs left in os.environ (accelerate/torch.distributed
     # variables) must not reach the two ranks.
     keep = ("PATH", "HOME", "TMPDIR", "LANG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
@@ -243,7 +243,7 @@ def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_
 
     one = logged(build_trainer(str(tmp_path / "a"), per_device=4, accumulation=1))
     accumulated = logged(build_trainer(str(tmp_path / "b"), per_device=2, accumulation=2))
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = tmp_path / "c" / "logs.json"

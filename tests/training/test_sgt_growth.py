@@ -16,7 +16,7 @@ import hf_loops  # noqa: F401
 from hf_loops import SGTConfig, SGTForCausalLM
 from hf_loops.training.sgt_growth import SGTGrowthCallback, SGTGrowthScheduler, gate_value
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT.parent / "shared" / "data" / "corpus"
 TOKENIZER = ROOT.parent / "shared" / "data" / "qwen3-tokenizer"
 
