@@ -33,6 +33,14 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**kw)
 
 
+def tiny_qwen3(seed=0, **overrides):
+    """A tiny random `Qwen3ForCausalLM` (eval mode) from `tiny_qwen3_config`, seeded: the one tiny-model builder."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).eval()
+
+
 @pytest.fixture
 def shared_dir():
     if not os.path.isdir(SHARED):

@@ -5,7 +5,7 @@ import json
 import os
 
 import torch
-from conftest import tiny_qwen3_config
+from conftest import tiny_qwen3, tiny_qwen3_config  # noqa: F401  (re-exported for the tests)
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 CALIBRATION_TEXT = (
@@ -25,11 +25,6 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>")
-
-
-def tiny_qwen3(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).eval()
 
 
 def qwen3_dir(path, seed=0, tokenizer=True, **overrides):

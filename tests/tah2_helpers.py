@@ -1,15 +1,9 @@
 """Shared builders for the TaH2 tests: tiny random Qwen3 models and scripted deciders."""
 
 import torch
-from conftest import tiny_qwen3_config
-from transformers import Qwen3ForCausalLM
+from conftest import tiny_qwen3, tiny_qwen3_config  # noqa: F401  (re-exported for the tests)
 
 from hf_loops.conversion import convert_qwen3
-
-
-def tiny_qwen3(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).eval()
 
 
 def tiny_tah2(seed=0, qwen_overrides=None, decisive=True, **tah2_overrides):
