@@ -1,3 +1,5 @@
+"""Shared test set-up: offline Hub, one torch thread, the tiny Qwen3 config and model every test builds on."""
+
 import os
 
 import pytest
