@@ -13,7 +13,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.utils import logging as hf_logging
 
 from ..modeling.loop_utils import NON_ARCH_KEYS
-from .checks import check_safetensors_files, load_tokenizer, read_json_file
+from .checks import check_config_json, check_safetensors_files, load_tokenizer
 from .hub import resolve_source_dir
 
 
@@ -26,10 +26,8 @@ def qwen3_config_fields(config: Qwen3Config | dict) -> dict:
 
 
 def read_source_config(source_dir: str) -> dict:
-    path = os.path.join(source_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{source_dir!r} is not a checkpoint directory: config.json is missing")
-    cfg = read_json_file(path)
+    """The source checkpoint's config.json (checked, with its weight files), which must be a Qwen3 one."""
+    cfg = check_config_json(source_dir)
     check_safetensors_files(source_dir)
     if cfg.get("model_type") != "qwen3":
         raise ValueError(
