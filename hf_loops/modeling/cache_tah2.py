@@ -5,17 +5,85 @@ A token's depth-m states live in KV *stream* m−1. `TaH2Cache` keeps one `Dynam
 `CallStreams` says where each stream lives during one forward call and which keys a mask is built from; `StreamView` is
 the `cache=` object the shared decoder layers receive while they run one depth.
 
+Two layouts:
+- *padded*: (B, H, S, D) per layer, rows right-padded with invalid entries. Stream 0 (every token) always; deeper
+  streams of the per-call scratch store (training, lookahead) and of dense-stream variants (Ouro exit gate).
+- *ragged*: the deeper streams of the persistent cache of an adaptive model. Only real entries are stored, flat, in
+  arrival order: K/V as (1, H, N, D) and metadata rows [row, stream-0 index, depth, document]. Attention reads a
+  row-padded view gathered per call (`RaggedLayout`), so the stored bytes are exactly Σ_t (depth executed by t) K/V
+  entries — the cache holds a token's deeper states only for the depths it ran, at any batch size.
+
 This file ships as Hub remote code next to modeling_tah2.py: it imports only torch, transformers and its siblings.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .loop_utils import ensure_cache_slots
 
-__all__ = ["TaH2Cache", "CallStreams", "StreamView"]
+__all__ = ["TaH2Cache", "CallStreams", "StreamView", "RaggedLayout"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Ragged layout: flat entries → a row-padded view
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RaggedLayout:
+    """Row-padded view of a ragged stream: `gather` (B, n) holds each row's flat entry indices in arrival order
+    (−1 past the row's count), n = the largest row count. Metadata fields are (B, n), invalid slots zero."""
+
+    gather: torch.Tensor
+    valid: torch.Tensor
+    pos: torch.Tensor
+    index: torch.Tensor
+    depth: torch.Tensor
+    seq: torch.Tensor
+
+    @classmethod
+    def build(cls, meta_keys: torch.Tensor, meta_values: torch.Tensor, batch_size: int) -> "RaggedLayout":
+        rows = meta_values[0, 0, :, 0].long()
+        N, device = rows.numel(), rows.device
+        counts = torch.bincount(rows, minlength=batch_size)
+        width = int(counts.max()) if N else 0
+        order = torch.argsort(rows, stable=True)
+        sorted_rows = rows[order]
+        start = counts.cumsum(0) - counts
+        slot = torch.arange(N, device=device) - start[sorted_rows]
+        gather = torch.full((batch_size, width), -1, dtype=torch.long, device=device)
+        gather[sorted_rows, slot] = order
+        valid = gather >= 0
+        safe = gather.clamp(min=0)
+
+        def field(flat):
+            return torch.where(valid, flat[safe], torch.zeros((), dtype=flat.dtype, device=device))
+
+        extra = meta_values[0, 0]
+        return cls(gather, valid, field(meta_keys[0, 0, :, 0].long()), field(extra[:, 1].long()),
+                   field(extra[:, 2].long()), field(extra[:, 3].long()))
+
+    def rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        return self.gather if rows is None else self.gather.index_select(0, rows)
+
+    @staticmethod
+    def read(flat: torch.Tensor | None, gather: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """(1, H, N, D) flat states → (Bj, H, n, D) for the rows of `gather` (invalid slots hold entry 0); `like`
+        gives H, D and dtype when the stream stores nothing yet."""
+        Bj, n = gather.shape
+        if flat is None or flat.numel() == 0:
+            return like.new_zeros((Bj, like.shape[1], n, like.shape[-1]))
+        picked = flat[0].index_select(1, gather.clamp(min=0).reshape(-1))  # (H, Bj·n, D)
+        return picked.view(picked.shape[0], Bj, n, picked.shape[-1]).transpose(0, 1)
+
+
+def _flat_real(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """(Bj, H, Tj, D) states of the slots `real` (Bj, Tj) → (1, H, n, D), row-major (the order metadata is flattened)."""
+    return states.transpose(1, 2)[real].transpose(0, 1).unsqueeze(0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -27,24 +95,27 @@ class TaH2Cache(DynamicCache):
     """KV cache of TaH2: one `DynamicLayer` per (stream j, layer l) inside `cache.layers`.
 
     Layout: stream j occupies slots `j*(L+1) .. j*(L+1)+L-1` for its L layers and slot `j*(L+1)+L` for its metadata,
-    stored as a `DynamicLayer` too (keys = RoPE position, values = [valid, stream-0 index, executed depth], fp32), so
-    that every batch operation `generate` performs on `cache.layers` (beam reorder, repeat, select) moves metadata
-    and K/V together. Stream 0 is dense (every token); deeper streams hold only tokens that ran that depth, rows
-    right-padded with valid = 0. `get_seq_length()` reads stream 0 layer 0, i.e. counts tokens.
+    stored as a `DynamicLayer` too (fp32). Stream 0 is dense (every token): metadata keys = RoPE position, values =
+    [valid, stream-0 index, executed depth]. With `ragged_streams` (adaptive models) deeper streams hold only the
+    tokens that ran that depth, flat: K/V (1, H, N, D), metadata keys = position, values = [row, index, 0, document].
+    Otherwise deeper streams are row-padded like stream 0 (valid = 0 marks padding). `get_seq_length()` reads stream 0
+    layer 0, i.e. counts tokens. Beam reorder, batch repeat/select and crop move every stream together.
 
     `generate` builds a plain `DynamicCache(config=...)`; the model adopts it in place (`TaH2Cache.adopt`), which adds
-    the slots and gives it this class's `crop`.
+    the slots and gives it this class's methods.
     """
 
     num_backbone_layers: int = 0
+    ragged_streams: bool = False
 
     @classmethod
-    def adopt(cls, cache: Cache, num_backbone_layers: int) -> "TaH2Cache":
+    def adopt(cls, cache: Cache, num_backbone_layers: int, ragged_streams: bool = False) -> "TaH2Cache":
         if not isinstance(cache, DynamicCache):
             raise ValueError(
                 f"TaH2 needs a DynamicCache (its deeper streams grow by a data-dependent number of tokens); got "
                 f"{type(cache).__name__}. Use the default dynamic cache in generate."
             )
+        fresh = not isinstance(cache, TaH2Cache) or cache.num_backbone_layers == 0
         if not isinstance(cache, TaH2Cache):
             # Same state, TaH2's crop/metadata methods: the object generate holds keeps working in place.
             cache.__class__ = TaH2Cache
@@ -52,6 +123,10 @@ class TaH2Cache(DynamicCache):
             raise ValueError(
                 f"cache was built for {cache.num_backbone_layers} layers, the model has {num_backbone_layers}"
             )
+        if fresh or cache.get_seq_length() == 0:
+            cache.ragged_streams = ragged_streams
+        elif cache.ragged_streams != ragged_streams:
+            raise ValueError("this cache was filled by a model with a different deeper-stream layout (ragged vs padded)")
         cache.num_backbone_layers = num_backbone_layers
         ensure_cache_slots(cache, num_backbone_layers + 1)
         return cache
@@ -66,6 +141,9 @@ class TaH2Cache(DynamicCache):
     def ensure_streams(self, num_streams: int) -> None:
         ensure_cache_slots(self, num_streams * (self.num_backbone_layers + 1))
 
+    def is_ragged(self, stream: int) -> bool:
+        return self.ragged_streams and stream > 0
+
     @property
     def num_streams(self) -> int:
         n = 0
@@ -77,9 +155,40 @@ class TaH2Cache(DynamicCache):
         self.ensure_streams(stream + 1)
         return self.layers[self.kv_slot(stream, layer_idx)]
 
+    def stream_slots(self, stream: int) -> list[int]:
+        return [self.kv_slot(stream, l) for l in range(self.num_backbone_layers)] + [self.meta_slot(stream)]
+
+    def batch_size(self) -> int:
+        return self.layers[0].keys.shape[0] if self.get_seq_length() > 0 else 0
+
+    def kv_bytes(self) -> int:
+        """Bytes of stored keys and values (metadata excluded)."""
+        total = 0
+        for stream in range(self.num_streams):
+            for slot in self.stream_slots(stream)[:-1]:
+                layer = self.layers[slot]
+                if layer.get_seq_length() > 0:
+                    total += layer.keys.numel() * layer.keys.element_size()
+                    total += layer.values.numel() * layer.values.element_size()
+        return total
+
     # -- metadata ----------------------------------------------------------------------------------------------------
-    def stream_metadata(self, stream: int) -> dict | None:
-        """pos, valid, index (stream-0 coordinate) and depth of every entry of `stream`, or None when empty."""
+    def ragged_layout(self, stream: int, batch_size: int | None = None) -> RaggedLayout | None:
+        slot = self.meta_slot(stream)
+        if slot >= len(self.layers) or self.layers[slot].get_seq_length() == 0:
+            return None
+        layer = self.layers[slot]
+        return RaggedLayout.build(layer.keys, layer.values, batch_size or self.batch_size())
+
+    def stream_metadata(self, stream: int, batch_size: int | None = None) -> dict | None:
+        """pos, valid, index (stream-0 coordinate) and depth of every entry of `stream`, row-padded (B, n); None when
+        empty. A ragged stream also returns `gather`, its entries' flat indices."""
+        if self.is_ragged(stream):
+            lay = self.ragged_layout(stream, batch_size)
+            if lay is None:
+                return None
+            return {"pos": lay.pos, "valid": lay.valid, "index": lay.index, "depth": lay.depth, "seq": lay.seq,
+                    "gather": lay.gather}
         slot = self.meta_slot(stream)
         if slot >= len(self.layers) or self.layers[slot].get_seq_length() == 0:
             return None
@@ -94,6 +203,15 @@ class TaH2Cache(DynamicCache):
         values = torch.stack([valid.to(torch.float32), index.to(torch.float32), depth.to(torch.float32)], dim=-1)
         self.layers[self.meta_slot(stream)].update(keys, values[:, None])
 
+    def append_ragged_metadata(self, stream: int, pos, valid, index, seq=None) -> None:
+        """Append the real entries (`valid`) of (B, T) metadata to ragged stream `stream`, row-major."""
+        self.ensure_streams(stream + 1)
+        rows, t = valid.nonzero(as_tuple=True)
+        doc = seq[rows, t] if seq is not None else torch.full_like(rows, -1)
+        values = torch.stack([rows, index[rows, t], torch.zeros_like(rows), doc], dim=-1).to(torch.float32)
+        keys = pos[rows, t].to(torch.float32)
+        self.layers[self.meta_slot(stream)].update(keys[None, None, :, None], values[None, None])
+
     @property
     def token_depth(self) -> torch.Tensor | None:
         """(B, S) executed depth of every cached token (0 for padding)."""
@@ -101,11 +219,50 @@ class TaH2Cache(DynamicCache):
         return None if meta is None else meta["depth"] * meta["valid"]
 
     # -- generate's cache operations -------------------------------------------------------------------------------------
+    def _keep_entries(self, stream: int, entries: torch.Tensor, new_rows: torch.Tensor | None = None) -> None:
+        """Ragged stream: keep the flat `entries` (in this order); `new_rows` relabels their rows."""
+        for slot in self.stream_slots(stream):
+            layer = self.layers[slot]
+            if entries.numel() == 0:
+                layer.reset()
+                continue
+            layer.keys = layer.keys.index_select(2, entries)
+            layer.values = layer.values.index_select(2, entries)
+        if new_rows is not None and entries.numel():
+            meta = self.layers[self.meta_slot(stream)]
+            meta.values = meta.values.clone()
+            meta.values[0, 0, :, 0] = new_rows.to(meta.values.dtype)
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        """New batch row r = old row `rows[r]` (beam reorder, repeat, select): dense slots by index_select, ragged
+        streams by taking each selected row's entries in order."""
+        for stream in range(self.num_streams):
+            if not self.is_ragged(stream):
+                for slot in self.stream_slots(stream):
+                    self.layers[slot].reorder_cache(rows)
+                continue
+            old_rows = self.layers[self.meta_slot(stream)].values[0, 0, :, 0].long()
+            new_row, entries = (old_rows[None, :] == rows.to(old_rows.device)[:, None]).nonzero(as_tuple=True)
+            self._keep_entries(stream, entries, new_row)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        B = self.batch_size()
+        if B:
+            self._select_rows(torch.arange(B, device=self.layers[0].keys.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.batch_size():
+            indices = torch.as_tensor(indices, device=self.layers[0].keys.device)
+            self._select_rows(indices.nonzero().squeeze(1) if indices.dtype == torch.bool else indices.long())
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (v5 convention: a negative count).
 
-        Stream 0 is cut like any dynamic cache. A deeper stream's entries of removed tokens are marked invalid, then the
-        trailing columns that no row still uses are dropped.
+        Stream 0 is cut like any dynamic cache. A deeper stream loses the entries of removed tokens: ragged streams drop
+        them; padded streams mark them invalid, then drop the trailing columns that no row still uses.
         """
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
@@ -113,26 +270,31 @@ class TaH2Cache(DynamicCache):
             return
         keep_tokens = self.get_seq_length() + tokens_to_remove
         for stream in range(self.num_streams):
-            slots = [self.kv_slot(stream, l) for l in range(self.num_backbone_layers)] + [self.meta_slot(stream)]
+            slots = self.stream_slots(stream)
+            meta_layer = self.layers[self.meta_slot(stream)]
             if stream == 0:
                 for s in slots:
                     self.layers[s].crop(tokens_to_remove)
-                continue
-            meta_layer = self.layers[self.meta_slot(stream)]
-            index = meta_layer.values[:, 0, :, 1]
-            gone = index >= keep_tokens
-            meta_layer.values = meta_layer.values.clone()
-            meta_layer.values[:, 0, :, 0] = torch.where(gone, 0.0, meta_layer.values[:, 0, :, 0])
-            still = meta_layer.values[:, 0, :, 0] > 0.5
-            used = still.any(0).nonzero()
-            width = int(used.max()) + 1 if used.numel() else 0
-            for s in slots:
-                layer = self.layers[s]
-                if width == 0:
-                    layer.reset()
-                else:
-                    layer.keys = layer.keys[..., :width, :]
-                    layer.values = layer.values[..., :width, :]
+            elif self.is_ragged(stream):
+                self._keep_entries(stream, (meta_layer.values[0, 0, :, 1] < keep_tokens).nonzero().squeeze(1))
+            else:
+                self._crop_padded(slots, meta_layer, keep_tokens)
+
+    def _crop_padded(self, slots, meta_layer, keep_tokens: int) -> None:
+        index = meta_layer.values[:, 0, :, 1]
+        gone = index >= keep_tokens
+        meta_layer.values = meta_layer.values.clone()
+        meta_layer.values[:, 0, :, 0] = torch.where(gone, 0.0, meta_layer.values[:, 0, :, 0])
+        still = meta_layer.values[:, 0, :, 0] > 0.5
+        used = still.any(0).nonzero()
+        width = int(used.max()) + 1 if used.numel() else 0
+        for s in slots:
+            layer = self.layers[s]
+            if width == 0:
+                layer.reset()
+            else:
+                layer.keys = layer.keys[..., :width, :]
+                layer.values = layer.values[..., :width, :]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -146,16 +308,22 @@ class CallStreams:
     Stream j is written to the persistent cache when there is one (in causal mode only stream 0: deeper states of
     earlier tokens are never visible, so they are dropped after the call) and otherwise to a scratch cache that lives
     for this call only. Training therefore carries cross-iteration K/V explicitly, never through HF's `cache=` path.
+
+    A ragged stream (deeper stream of a persistent ragged cache) gets this call's metadata appended at once
+    (`add_entries`); its row-padded view is built once per call and shared by every layer (`layout`).
     """
 
-    def __init__(self, cache: TaH2Cache | None, num_layers: int, persist_deeper: bool):
+    def __init__(self, cache: TaH2Cache | None, num_layers: int, persist_deeper: bool, batch_size: int = 0):
         self.cache = cache
         self.num_layers = num_layers
         self.persist_deeper = persist_deeper
+        self.batch_size = batch_size
         self.scratch: TaH2Cache | None = None
         self.meta: dict[int, dict] = {}  # stream -> past + new metadata (full batch)
         self.new_meta: dict[int, dict] = {}  # stream -> this call's entries
         self.had_past: dict[int, bool] = {}  # set by `commit`: did the stream hold entries before this call?
+        self.layouts: dict[int, RaggedLayout] = {}
+        self.shared_padded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def store(self, stream: int) -> TaH2Cache:
         if self.cache is not None and (stream == 0 or self.persist_deeper):
@@ -164,16 +332,32 @@ class CallStreams:
             self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
         return self.scratch
 
+    def ragged(self, stream: int) -> bool:
+        return self.store(stream).is_ragged(stream)
+
+    def layout(self, stream: int) -> RaggedLayout:
+        if stream not in self.layouts:
+            self.layouts[stream] = self.store(stream).ragged_layout(stream, self.batch_size)
+        return self.layouts[stream]
+
     def add_entries(self, stream: int, pos, valid, index, seq=None, cont=None) -> None:
         """Register this call's new entries of `stream` (full batch, appended after the past entries).
 
         `cont` (lookahead only) marks entries whose token really executed this depth in the main forward."""
         self.new_meta[stream] = {"pos": pos, "valid": valid, "index": index, "seq": seq, "cont": cont}
         self.meta.pop(stream, None)  # merged with the past lazily: most decode steps never read it
+        if self.ragged(stream):
+            self.store(stream).append_ragged_metadata(stream, pos, valid, index, seq)
+            self.layouts.pop(stream, None)
 
     def merged(self, stream: int) -> dict:
-        """Past + this call's metadata of `stream` (full batch)."""
+        """Past + this call's metadata of `stream` (full batch, row-padded)."""
         if stream not in self.meta:
+            if self.ragged(stream):
+                lay = self.layout(stream)
+                seq = lay.seq if self.new_meta.get(stream, {}).get("seq") is not None else None
+                self.meta[stream] = {"pos": lay.pos, "valid": lay.valid, "index": lay.index, "seq": seq, "cont": None}
+                return self.meta[stream]
             new = self.new_meta[stream]
             if stream in self.had_past:  # committed: the store already holds past + new
                 past = self.store(stream).stream_metadata(stream) if self.had_past[stream] else None
@@ -194,14 +378,26 @@ class CallStreams:
         return stream in self.meta or stream in self.new_meta
 
     def share_streams(self, other: "CallStreams", streams: list[int]) -> None:
-        """Read-only access to `other`'s streams (the lookahead reads the main forward's K/V without copying)."""
+        """Read-only access to `other`'s streams (the lookahead reads the main forward's K/V without copying; a ragged
+        stream is read through its row-padded view)."""
         if self.scratch is None:
             self.scratch = TaH2Cache.adopt(DynamicCache(), self.num_layers)
         self.scratch.ensure_streams(max(streams) + 1)
         for s in streams:
             src = other.store(s)
             for offset in range(self.num_layers + 1):
-                self.scratch.layers[self.scratch.kv_slot(s, 0) + offset] = src.layers[src.kv_slot(s, 0) + offset]
+                dst = self.scratch.kv_slot(s, 0) + offset
+                if other.ragged(s):
+                    layer = DynamicLayer()
+                    if offset < self.num_layers:
+                        flat = src.layers[src.kv_slot(s, offset)]
+                        like = src.layers[src.kv_slot(0, offset)].keys
+                        gather = other.layout(s).gather
+                        layer.update(RaggedLayout.read(flat.keys, gather, like),
+                                     RaggedLayout.read(flat.values, gather, like))
+                    self.scratch.layers[dst] = layer
+                else:
+                    self.scratch.layers[dst] = src.layers[src.kv_slot(s, 0) + offset]
             self.meta[s] = other.merged(s)
 
     def past_metadata(self, stream: int) -> dict | None:
@@ -226,8 +422,11 @@ class CallStreams:
         return out
 
     def commit(self, depth_of_new_stream0: torch.Tensor) -> None:
-        """Append this call's metadata to the caches that keep it (K/V were appended by the layers)."""
+        """Append this call's metadata to the caches that keep it (K/V were appended by the layers; ragged streams'
+        metadata was appended by `add_entries`)."""
         for stream, new in self.new_meta.items():
+            if self.ragged(stream):
+                continue
             store = self.store(stream)
             # After this append `store` holds past + new; `merged` must not add `new` a second time (the lookahead
             # reads these streams after the main forward has committed them).
@@ -240,9 +439,10 @@ class CallStreams:
 class StreamView:
     """`cache=` object for the shared layers while they run stream `stream` on the rows `rows` of the batch.
 
-    `update` writes the rows' new K/V into the stream's slot (full batch: rows that are not running get zero
-    placeholders, which the metadata marks invalid) and returns, for those rows, the keys of every stream the mode
-    lets this depth see, concatenated in stream order — the same order as `CallStreams.key_metadata`.
+    `update` writes the rows' new K/V into the stream's slot and returns, for those rows, the keys of every stream the
+    mode lets this depth see, concatenated in stream order — the same order as `CallStreams.key_metadata`. A padded
+    stream gets the full batch (rows that are not running get zero placeholders, which the metadata marks invalid); a
+    ragged stream gets only the real slots (`real`, (Bj, Tj)) and is read through the call's row-padded view.
 
     Under activation checkpointing a layer runs twice; the second (recompute) call rebuilds the same concatenation
     from the prefix that preceded this call's write instead of writing again.
@@ -253,13 +453,14 @@ class StreamView:
     """
 
     def __init__(self, streams: CallStreams, stream: int, key_streams: list[int], rows, batch_size: int,
-                 copy_previous: torch.Tensor | None = None):
+                 copy_previous: torch.Tensor | None = None, real: torch.Tensor | None = None):
         self.streams = streams
         self.stream = stream
         self.key_streams = key_streams
         self.rows = rows
         self.batch_size = batch_size
         self.copy_previous = copy_previous
+        self.real = real
         self._prefix_len: dict[int, int] = {}
 
     def _copy_from_previous_stream(self, key_states, value_states, layer_idx):
@@ -278,28 +479,42 @@ class StreamView:
     def _select(self, states: torch.Tensor) -> torch.Tensor:
         return states if self.rows is None else states.index_select(0, self.rows)
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        store = self.streams.store(self.stream)
-        layer = store.kv_layer(self.stream, layer_idx)
+    def _write(self, key_states, value_states, layer_idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this call's K/V of the running stream; full-batch padded states of the stream (padded layout)."""
+        layer = self.streams.store(self.stream).kv_layer(self.stream, layer_idx)
+        if self.streams.ragged(self.stream):
+            if layer_idx not in self._prefix_len:
+                self._prefix_len[layer_idx] = layer.get_seq_length()
+                layer.update(_flat_real(key_states, self.real), _flat_real(value_states, self.real))
+            return None, None
         k_new, v_new = self._scatter(key_states), self._scatter(value_states)
         if self.copy_previous is not None:
             k_new, v_new = self._copy_from_previous_stream(k_new, v_new, layer_idx)
         if layer_idx not in self._prefix_len:
             self._prefix_len[layer_idx] = layer.get_seq_length()
-            k_all, v_all = layer.update(k_new, v_new)
-        else:
-            n = self._prefix_len[layer_idx]
-            k_all = torch.cat([layer.keys[..., :n, :], k_new], dim=-2)
-            v_all = torch.cat([layer.values[..., :n, :], v_new], dim=-2)
+            return layer.update(k_new, v_new)
+        n = self._prefix_len[layer_idx]
+        return (torch.cat([layer.keys[..., :n, :], k_new], dim=-2),
+                torch.cat([layer.values[..., :n, :], v_new], dim=-2))
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k_own, v_own = self._write(key_states, value_states, layer_idx)
         keys, values = [], []
         for s in self.key_streams:
-            if s == self.stream:
-                keys.append(k_all)
-                values.append(v_all)
-            elif self.streams.has(s):
+            if not (s == self.stream or self.streams.has(s)):
+                continue
+            if self.streams.ragged(s):
+                flat = self.streams.store(s).kv_layer(s, layer_idx)
+                gather = self.streams.layout(s).rows(self.rows)
+                keys.append(RaggedLayout.read(flat.keys, gather, key_states))
+                values.append(RaggedLayout.read(flat.values, gather, value_states))
+            elif s == self.stream:
+                keys.append(self._select(k_own))
+                values.append(self._select(v_own))
+            else:
                 other = self.streams.store(s).kv_layer(s, layer_idx)
-                keys.append(other.keys)
-                values.append(other.values)
+                keys.append(self._select(other.keys))
+                values.append(self._select(other.values))
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
-        return self._select(k), self._select(v)
+        return k, v

@@ -760,7 +760,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                            key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
             mask = additive_mask(visible[:, None], x.dtype)
         x_j = pack.gather(x)
-        view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous)
+        view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous, real=pack.real)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
         return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view, collect))
 
@@ -795,7 +795,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         if use_cache is None:
             use_cache = cfg.use_cache and not self.training
         if cache is not None or use_cache:
-            cache = TaH2Cache.adopt(cache if cache is not None else DynamicCache(), cfg.num_hidden_layers)
+            cache = TaH2Cache.adopt(cache if cache is not None else DynamicCache(), cfg.num_hidden_layers,
+                                    ragged_streams=cfg.decider != "exit_gate" and cfg.loop_span is None)
         past = cache.get_seq_length() if cache is not None else 0
         if return_loop_records and past > 0:
             raise ValueError("return_loop_records needs a full teacher-forced forward (no past cache)")
@@ -831,7 +832,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             max_iterations=M, exit_threshold=tau, embeds=embeds, valid=valid, attention_mask=attention_mask,
             position_ids=position_ids, seq_ids=seq_ids, token_index=(torch.arange(T, device=device) + past).expand(B, T),
             cache=cache, past=past,
-            streams=CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal")),
+            streams=CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal"),
+                                batch_size=B),
             targets=targets, keep=keep, kept_slot=kept_slot,
             full_logits=labels is None or return_mixture_logits or M == 1, synchronise=synchronise,
             use_cache=bool(use_cache),
