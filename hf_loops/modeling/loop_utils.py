@@ -70,6 +70,37 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, neg)
 
 
+def flex_block_mask(allowed: torch.Tensor):
+    """bool (B, Tq, S) "may attend" → a flex_attention `BlockMask` (built once, then shared by every layer of a pass).
+    The mask function reads the tensor, so any cross-iteration pattern (what flash-attention cannot express) works."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, Tq, S = allowed.shape
+
+    def mask_mod(b, h, q, kv):
+        return allowed[b, q, kv]
+
+    return create_block_mask(mask_mod, B, None, Tq, S, device=allowed.device)
+
+
+def flex_cpu_guard(config, device: torch.device):
+    """On CPU, compile flex_attention for static shapes. torch 2.13's CPU flex template fails to build (a C++ error)
+    when dynamo recompiles it with dynamic shapes, which happens as soon as a looped model calls it with a second mask
+    shape. Each new shape then compiles once; past dynamo's recompile limit the call runs uncompiled. Accelerators keep
+    the dynamic kernel."""
+    if config._attn_implementation == "flex_attention" and device.type == "cpu":
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+    return contextlib.nullcontext()
+
+
+def iteration_mask(allowed: torch.Tensor, config, dtype: torch.dtype):
+    """The mask object the configured attention backend takes for an explicit (B, Tq, S) visibility pattern: a
+    `BlockMask` for flex_attention, otherwise a float additive (B, 1, Tq, S) mask (eager and sdpa)."""
+    if config._attn_implementation == "flex_attention":
+        return flex_block_mask(allowed)
+    return additive_mask(allowed[:, None], dtype)
+
+
 def plain_attention_mask(attention_mask):
     """`generate` with a compileable cache hands masks in as a dict keyed by layer type; others pass 2-D/4-D tensors."""
     if isinstance(attention_mask, dict):

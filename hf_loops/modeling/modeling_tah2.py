@@ -38,7 +38,8 @@ from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
-    additive_mask,
+    flex_cpu_guard,
+    iteration_mask,
     plain_attention_mask,
     positions_from_mask,
     sequence_ids_from_positions,
@@ -548,7 +549,7 @@ class TaH2PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Qwen3DecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = False  # cross-iteration masks cannot be expressed by flash-attention
-    _supports_flex_attn = False
+    _supports_flex_attn = True  # deeper depths get a BlockMask of the visibility pattern (`iteration_mask`)
     _supports_attention_backend = False
 
     def _init_weights(self, module):
@@ -599,6 +600,10 @@ class TaH2Model(TaH2PreTrainedModel):
         the `span` = (start, end) slice (Huginn-style prelude / core / coda).
 
         `collect` (optional `LayerCollector`) records each layer's input and, under eager attention, its weights."""
+        with flex_cpu_guard(self.config, hidden.device):
+            return self._run_layers(hidden, attention_mask, position_ids, position_embeddings, cache, collect, span)
+
+    def _run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect, span):
         checkpoint = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers if span is None else self.layers[span[0]:span[1]]:
             if collect is not None:
@@ -758,7 +763,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             keys = streams.key_metadata(key_streams, pack.rows)
             visible = iteration_visibility(mode, q_pos, stream, keys["pos"], keys["iter"], keys["valid"],
                                            key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
-            mask = additive_mask(visible[:, None], x.dtype)
+            mask = iteration_mask(visible, self.config, x.dtype)
         x_j = pack.gather(x)
         view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous, real=pack.real)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
