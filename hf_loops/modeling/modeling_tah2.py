@@ -229,17 +229,21 @@ class QExit:
 @dataclass
 class _Packing:
     """Which tokens one depth runs: per batch row `rows`, the active tokens gathered to the left (stable order) and
-    right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token."""
+    right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token.
+
+    One-token calls (decoding) take `one_per_row`: every slot is a token (depth 1 runs every row, padding included,
+    and the padding rows' outputs are masked afterwards), so listing the tokens needs no host sync."""
 
     rows: torch.Tensor | None  # batch rows that take part (None: all)
     order: torch.Tensor  # (Bj, Tj)
     real: torch.Tensor  # (Bj, Tj) bool
     identity: bool = False  # depth 1: every position of every row, in place
+    one_per_row: bool = False  # Tj = 1 and every slot is listed as a token
 
     @classmethod
     def everything(cls, valid: torch.Tensor) -> "_Packing":
         B, T = valid.shape
-        return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True)
+        return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True, one_per_row=T == 1)
 
     @classmethod
     def placeholder(cls, batch_size: int, device) -> "_Packing":
@@ -247,6 +251,16 @@ class _Packing:
         training needs every rank to call the same modules the same number of times)."""
         zero = torch.zeros(1, 1, dtype=torch.long, device=device)
         return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor, batch_size: int) -> "_Packing | None":
+        """One-token calls: the packing of the (sorted) rows `rows`, from their count alone (known on the host)."""
+        n = rows.numel()
+        if n == 0:
+            return None
+        slot = torch.zeros(n, 1, dtype=torch.long, device=rows.device)
+        return cls(None if n == batch_size else rows, slot, torch.ones(n, 1, dtype=torch.bool, device=rows.device),
+                   one_per_row=True)
 
     @classmethod
     def of(cls, active: torch.Tensor) -> "_Packing | None":
@@ -277,9 +291,15 @@ class _Packing:
         return out.index_copy(0, self.rows, t)
 
     def flat_tokens(self):
-        """(batch index, time index, slot selector) of every real token of this depth."""
+        """(batch index, time index, slot selector) of every real token of this depth (every slot when
+        `one_per_row`)."""
+        Bj = self.order.shape[0]
+        if self.one_per_row:
+            slot = torch.arange(Bj, device=self.order.device)
+            zero = torch.zeros_like(slot)
+            return (slot if self.rows is None else self.rows), zero, (slot, zero)
         sel = self.real.nonzero(as_tuple=True)
-        rows = torch.arange(self.order.shape[0], device=self.order.device) if self.rows is None else self.rows
+        rows = torch.arange(Bj, device=self.order.device) if self.rows is None else self.rows
         return rows[sel[0]], self.order[sel], sel
 
 
@@ -502,6 +522,7 @@ class _LoopSetup:
     targets: torch.Tensor | None  # (B, T) shifted labels, -100 where unsupervised (padding included)
     keep: torch.Tensor  # kept positions
     kept_slot: torch.Tensor  # (T,) slot of each position among the kept ones, -1 if not kept
+    all_kept: bool  # every position is kept (known without looking at the device)
     full_logits: bool  # produce the (B, K, V) mixture
     synchronise: bool  # agree on the number of depth passes over data-parallel ranks
     use_cache: bool  # return the cache
@@ -840,6 +861,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             streams=CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal"),
                                 batch_size=B),
             targets=targets, keep=keep, kept_slot=kept_slot,
+            all_kept=isinstance(logits_to_keep, int) and (logits_to_keep == 0 or logits_to_keep >= T),
             full_logits=labels is None or return_mixture_logits or M == 1, synchronise=synchronise,
             use_cache=bool(use_cache),
         )
@@ -865,9 +887,9 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         kept = run.kept_slot[ft] >= 0
         if run.targets is not None or (not last and self._needs_logits_for_decisions()):
             z_flat = self.lm_head(h_flat)
-            z_kept = z_flat[kept] if run.full_logits else None
+            z_kept = (z_flat if run.all_kept else z_flat[kept]) if run.full_logits else None
         else:
-            z_flat, z_kept = None, self.lm_head(h_flat[kept])
+            z_flat, z_kept = None, self.lm_head(h_flat if run.all_kept else h_flat[kept])
         if last:
             logit, g, cont = None, torch.zeros(fb.shape, device=h.device), torch.zeros_like(fb, dtype=torch.bool)
         else:
@@ -879,6 +901,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                 cont = torch.bernoulli(g.detach()).bool()
             else:
                 cont = g > run.exit_threshold
+        if pack.identity and pack.one_per_row:  # depth 1 of a one-token call lists padding rows too
+            cont = cont & run.valid[fb, ft]
         step = DepthStep(depth=depth, last=last, batch_index=fb, time_index=ft, slots=sel, hidden=h_flat,
                          embeds=e_flat, logits=z_flat, kept=kept, kept_logits=z_kept, continue_logit=logit,
                          continue_prob=g, cont=cont)
@@ -888,17 +912,21 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                 qexit.update(step)
         return step
 
-    def _advance(self, run: _LoopSetup, step: DepthStep, x: torch.Tensor) -> tuple[torch.Tensor, _Packing]:
-        """Updater inputs x(m+1) = U(e, h(m)) of the continuing tokens, and their packing for depth m + 1."""
-        c = step.cont
-        cb, ct = step.batch_index[c], step.time_index[c]
-        x_next = self._next_input(step.embeds[c], step.hidden[c], step.logits[c] if step.logits is not None else None)
+    def _advance(self, run: _LoopSetup, step: DepthStep, x: torch.Tensor) -> tuple[torch.Tensor, _Packing | None]:
+        """Updater inputs x(m+1) = U(e, h(m)) of the continuing tokens, and their packing for depth m + 1 (None when no
+        token continues). Listing the continuing tokens is the one host sync of a decoding step's depth boundary."""
+        idx = step.cont.nonzero().squeeze(1)
+        cb, ct = step.batch_index.index_select(0, idx), step.time_index.index_select(0, idx)
+        logits = step.logits.index_select(0, idx) if step.logits is not None else None
+        x_next = self._next_input(step.embeds.index_select(0, idx), step.hidden.index_select(0, idx), logits)
         x = x.index_put((cb, ct), x_next.to(x.dtype))
+        B, T = run.valid.shape
         if self.config.decider == "exit_gate":  # dense streams in time order (exited tokens' K/V get copied)
             return x, _Packing.everything(run.valid)
-        B, T = run.valid.shape
+        if T == 1:
+            return x, _Packing.of_rows(cb, B)
         active = torch.zeros(B, T, dtype=torch.bool, device=x.device).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
-        return x, _Packing.of(active) or _Packing.placeholder(B, x.device)
+        return x, _Packing.of(active)
 
     def _accumulate(self, run: _LoopSetup, step: DepthStep, mixture: StoppingWeightedMixture, recorder) -> None:
         """Add depth m to the mixture (the kept positions' distributions and/or log q[y]) and to the loop records.
@@ -913,11 +941,15 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             logp_target = target_log_prob(step.logits, run.targets.clamp(min=0)[index])
             if recorder is not None:
                 recorder.add(step, logp_target)
-        if step.kept_logits is not None:
+        if step.kept_logits is not None and run.all_kept and step.emit is None:  # no boolean indexing (no host sync)
+            mixture.add_distribution((index[0], run.kept_slot[index[1]]), log_w, step.kept_logits)
+        elif step.kept_logits is not None:
             kept_emit = emit[step.kept]
             slot = (index[0][step.kept][kept_emit], run.kept_slot[index[1][step.kept][kept_emit]])
             mixture.add_distribution(slot, log_w[step.kept][kept_emit], step.kept_logits[kept_emit])
-        if logp_target is not None:
+        if logp_target is not None and step.emit is None:
+            mixture.add_target(index, log_w, logp_target)
+        elif logp_target is not None:
             mixture.add_target((index[0][emit], index[1][emit]), log_w[emit], logp_target[emit])
 
     def _forward_huginn(self, run: _LoopSetup, labels, output_hidden_states, output_attentions, return_loop_records,
@@ -1034,12 +1066,15 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             step = self._depth_step(run, depth, h, pack, qexit)
             trace.add(step, h)
             self._accumulate(run, step, mixture, recorder)
-            if step.last or not _any_on_any_rank(bool(step.cont.any()), run.synchronise):
+            if step.last:
                 break
             if qexit is not None and self.config.exit_kv_fill == "copy_last":
                 copy_previous = qexit.exited()
             x, pack = self._advance(run, step, x)
-        iter_counts = trace.iter_counts
+            if not _any_on_any_rank(pack is not None, run.synchronise):
+                break
+            pack = pack or _Packing.placeholder(B, device)
+        iter_counts = trace.iter_counts * run.valid  # one-token calls list padding rows at depth 1
         run.streams.commit(iter_counts)
 
         logits = raw_logits if M == 1 else mixture.log_probs(iter_counts[:, run.keep])
@@ -1061,7 +1096,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             logits=logits,
             cache=run.cache if run.use_cache else None,
             iter_counts=iter_counts,
-            continue_probs=trace.continue_probs,
+            continue_probs=trace.continue_probs.masked_fill(~run.valid[..., None], float("nan")),
             hidden_states=collect.hidden_states(trace.first_pass) if trace.want_hidden else None,
             attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
             iteration_hidden_states=tuple(trace.iteration_hidden) if trace.want_hidden else None,
