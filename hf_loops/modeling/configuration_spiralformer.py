@@ -2,7 +2,7 @@
 
 A `SpiralFormerConfig` is a `Qwen3Config` with a new `model_type`, so the Qwen3 parts keep their state-dict names.
 `num_hidden_layers` counts the *physical* decoder layers (pre + core + post, the length of `model.layers`); the cache
-holds one slot per *virtual* layer (pre + T·core + post) plus two bookkeeping slots per iteration, and the model
+holds one slot per *virtual* layer (pre + T·core + post) plus one decode-state slot per iteration, and the model
 grows `cache.layers` to that size itself.
 """
 

@@ -18,12 +18,16 @@ k* = (i+ω+1) mod g, so a token never sees a chunk that contains a later token (
 decoding only needs, per iteration, the core K/V of the closed latents, an online-softmax accumulator for the open
 chunk and the last closed latent (spec §7).
 
-Cache layout (all `DynamicLayer`s in `cache.layers`): pre layer l → l; core (t, l) → N_pre + t·N_loop + l; post layer
-l → N_pre + T·N_loop + l (when N_pre = 0 the post slots come first so slot 0 always counts tokens); then two
-bookkeeping slots per iteration: the packed decode state [m, Z, S, v_last, β_last] (fp32, shape (b, 1, 1, X)) and the
-per-row validity of every core-cache column (b, 1, n_cols, 1). Keeping them as cache layers means beam-search reorder,
-batch repeat and batch select move them with the K/V. Left-padded batches are exact: chunk maps come from per-row
-positions, latent columns a row does not own are masked out.
+Cache layout (`cache.layers`): pre layer l → l; core (t, l) → N_pre + t·N_loop + l; post layer l → N_pre + T·N_loop + l
+(when N_pre = 0 the post slots come first so slot 0 always counts tokens); then one decode-state slot per iteration
+(`SpiralStateLayer`: [m, Z, S, v_last, β_last] in fp32, shape (b, 1, 1, X)). Pre/post slots are plain `DynamicLayer`s;
+core slots are ragged `SpiralCoreLayer`s: one K/V tensor per batch row holding exactly that row's closed latents, so a
+left-padded or non-triggering row costs no placeholder columns. All of them move with beam-search reorder, batch repeat
+and batch select. Decoding runs the core only on the rows whose chunk closes at the new token (one host sync per step,
+to learn which rows those are); left-padded batches are exact (chunk maps come from per-row positions).
+
+Attention backends: every attention call goes through transformers' attention interface with a mask built once per
+forward call per shape (`_mask`): a float additive mask for "eager" and "sdpa", a `BlockMask` for "flex_attention".
 
 This file ships as Hub remote code: it imports only torch, transformers and its siblings.
 """
@@ -36,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
@@ -113,7 +117,7 @@ class _SlotLayout:
             self.pre, self.post, self.core = 0, 0, n_post
         self.n_pre, self.n_loop, self.n_post, self.T = n_pre, n_loop, n_post, T
         self.bookkeeping = n_pre + T * n_loop + n_post
-        self.total = self.bookkeeping + 2 * T
+        self.total = self.bookkeeping + T
 
     def pre_offset(self) -> int:
         return self.pre  # physical index l → slot l
@@ -124,11 +128,208 @@ class _SlotLayout:
     def post_offset(self) -> int:
         return self.post - self.n_pre - self.n_loop  # physical n_pre + n_loop + l → post + l
 
-    def state_slot(self, t: int) -> int:
-        return self.bookkeeping + 2 * t
+    def core_slot(self, t: int, l: int) -> int:
+        return self.core + t * self.n_loop + l
 
-    def valid_slot(self, t: int) -> int:
-        return self.bookkeeping + 2 * t + 1
+    def core_slots(self) -> list[int]:
+        return [self.core_slot(t, l) for t in range(self.T) for l in range(self.n_loop)]
+
+    def token_slots(self) -> list[int]:
+        core = set(self.core_slots())
+        return [i for i in range(self.bookkeeping) if i not in core]
+
+    def state_slot(self, t: int) -> int:
+        return self.bookkeeping + t
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cache slots of the loops: ragged core K/V and the per-iteration decode state
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SpiralCoreLayer(CacheLayerMixin):
+    """Core K/V of one (iteration, core layer) in a ragged layout: per batch row one (n_kv, C_r, d_head) key and value
+    tensor holding exactly the C_r latents that row has closed (None while C_r = 0). Rows never carry placeholder
+    columns — neither for left padding nor for steps at which only other rows closed a chunk.
+
+    Written only through `_CoreCacheView`: `write_prefill` after a full forward, `append_rows` for the triggering rows
+    of a decode step. Row tensors are never modified in place, so beam reorder / batch repeat / batch select just
+    permute the per-row lists (rows may share tensors until they diverge)."""
+
+    is_sliding = False
+    is_croppable = False  # a chunk closed by a dropped token cannot be "un-closed"; SpiralStateLayer refuses instead
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.row_keys: list = []
+        self.row_values: list = []
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def start(self, batch_size: int) -> None:
+        """Empty rows for a new prefill."""
+        self.row_keys, self.row_values = [None] * batch_size, [None] * batch_size
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("SpiralCoreLayer is written through SpiralFormer's core cache view (append_rows)")
+
+    def write_prefill(self, key_states, value_states, keep: list[int]):
+        """Prefill: row r keeps its first keep[r] latents (own copies, so no row pins the padded batch tensor)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+
+        def own(x, r):
+            return x[r, :, : keep[r]].clone(memory_format=torch.contiguous_format) if keep[r] > 0 else None
+
+        self.row_keys = [own(key_states, r) for r in range(len(keep))]
+        self.row_values = [own(value_states, r) for r in range(len(keep))]
+        return key_states, value_states
+
+    def append_rows(self, key_states, value_states, rows: list[int]):
+        """Decode: key_states (k, n_kv, 1, d) are the new latents of batch rows `rows`. Appends them and returns the
+        keys/values to attend over, (k, n_kv, W, d) with W = max C_r + 1: row i holds its C_r old latents, then the
+        new one at column C_r, then zeros (masked by the caller: column c is visible iff c ≤ C_r)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        outs = []
+        for store, new in ((self.row_keys, key_states), (self.row_values, value_states)):
+            grown = []
+            for i, r in enumerate(rows):
+                store[r] = new[i] if store[r] is None else torch.cat([store[r], new[i]], dim=-2)
+                grown.append(store[r])
+            width = max(x.shape[-2] for x in grown)
+            outs.append(torch.stack([F.pad(x, (0, 0, 0, width - x.shape[-2])) for x in grown]))
+        return outs[0], outs[1]
+
+    def row_lengths(self) -> list[int]:
+        return [0 if x is None else x.shape[-2] for x in self.row_keys]
+
+    def nbytes(self) -> int:
+        """Bytes of K and V actually held (tensors shared by several rows after a beam reorder count once)."""
+        seen, total = set(), 0
+        for x in self.row_keys + self.row_values:
+            if x is not None and id(x) not in seen:
+                seen.add(id(x))
+                total += x.numel() * x.element_size()
+        return total
+
+    def _take(self, rows) -> None:
+        self.row_keys = [self.row_keys[r] for r in rows]
+        self.row_values = [self.row_values[r] for r in rows]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._take(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._take([r for r in range(len(self.row_keys)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices) -> None:
+        self._take(torch.arange(len(self.row_keys))[torch.as_tensor(indices).cpu()].reshape(-1).tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")  # as DynamicLayer
+
+    def reset(self) -> None:
+        self.row_keys, self.row_values = [], []
+        self.is_initialized = False
+
+    def offload(self):
+        self._move("cpu")
+
+    def prefetch(self):
+        if self.is_initialized:
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        self.row_keys = [None if x is None else x.to(device, non_blocking=True) for x in self.row_keys]
+        self.row_values = [None if x is None else x.to(device, non_blocking=True) for x in self.row_values]
+
+    def get_seq_length(self) -> int:
+        return max(self.row_lengths(), default=0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SpiralStateLayer(DynamicLayer):
+    """Decode state of one iteration, packed fp32 (b, 1, 1, 2 + 2d + g) = [m, Z, S, v_last, β_last] in `keys`
+    (`values` aliases it), so reorder / repeat / select move it like K/V. `seen` (host int) counts the tokens it
+    covers; any crop sets it to None because the open-chunk accumulators cannot be rolled back."""
+
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen: int | None = None
+
+    def store(self, packed: torch.Tensor, seen: int) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(packed, packed)
+        self.keys = self.values = packed
+        self.seen = seen
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            self.seen = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = None
+
+
+class _CoreCacheView:
+    """Cache proxy for the shared core layers of iteration t: `layer_idx` → `offset + layer_idx` on `SpiralCoreLayer`s.
+    Prefill (`keep`): every row keeps its first keep[r] latents. Decode (`rows`): the triggering rows append one."""
+
+    def __init__(self, cache: Cache, offset: int, keep: list[int] | None = None, rows: list[int] | None = None):
+        self._cache, self._offset, self._keep, self._rows = cache, offset, keep, rows
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self._cache.layers[layer_idx + self._offset]
+        if self._rows is None:
+            return layer.write_prefill(key_states, value_states, self._keep)
+        return layer.append_rows(key_states, value_states, self._rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._cache.layers[layer_idx + self._offset].get_seq_length()
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
+
+
+def check_attn_implementation(impl) -> None:
+    if impl not in _ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"SpiralFormer supports attn_implementation in {list(_ATTN_IMPLEMENTATIONS)}, got {impl!r}: its chunk "
+            "latents and left-padded rows need explicit masks (float masks for eager/sdpa, a BlockMask for "
+            "flex_attention); flash-attention kernels are not enabled for SpiralFormer (see SpiralFormerPreTrainedModel)"
+        )
+
+
+def build_mask(impl: str, mask_mod, batch: int | None, q_len: int, kv_len: int, device, dtype):
+    """One attention mask for every layer of a call. `mask_mod(b, h, q, kv) -> bool` (True = may attend; batch None =
+    the same for every row) becomes a flex `BlockMask`, or is evaluated on broadcast index grids into a float
+    additive mask (0 / finfo.min) for eager and sdpa."""
+    if impl == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+    def grid(n, dim):
+        return torch.arange(n, device=device).view([-1 if i == dim else 1 for i in range(4)])
+
+    allowed = mask_mod(grid(batch or 1, 0), grid(1, 1), grid(q_len, 2), grid(kv_len, 3))
+    return additive_mask(allowed.expand(batch or 1, 1, q_len, kv_len), dtype)
 
 
 def _pad_seq(x: torch.Tensor, left: int, right: int = 0, value: float = 0.0) -> torch.Tensor:
@@ -144,15 +345,26 @@ def _pad_seq(x: torch.Tensor, left: int, right: int = 0, value: float = 0.0) -> 
 
 
 class SpiralFormerPreTrainedModel(PreTrainedModel):
+    """Attention backends: `attn_implementation` "eager", "sdpa" or "flex_attention" (CPU and GPU). Every SpiralFormer
+    attention call is causal plus key padding (token stream: left padding; chunk latents: causal; decode core calls:
+    each triggering row sees only its own closed latents), and the masks are built once per call by `build_mask`:
+    float additive masks for eager/sdpa, a `BlockMask` for flex_attention. flash_attention_2/3 are refused with a
+    ValueError at load time (`_supports_flash_attn = False`): the masks could be expressed as 2-D padding masks, but
+    that path has not been verified on a GPU, and a silently wrong kernel is worse than a clear error."""
+
     config: SpiralFormerConfig
     config_class = SpiralFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3DecoderLayer"]
     _supports_sdpa = True
-    _supports_flash_attn = False  # latent and padded-row masks are explicit 4-D float masks
-    _supports_flex_attn = False
+    _supports_flash_attn = False
+    _supports_flex_attn = True
     _supports_attention_backend = True
+
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        check_attn_implementation(f"flash_attention_{flash_attn_version}")  # raises: names the supported values
+        return False
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -238,8 +450,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
     def post_layers(self):
         return self.layers[self.config.num_pre_layers + self.config.num_loop_layers :]
 
-    def _run(self, layers, h, mask, pos, cache, offset, use_cache, collect=None, **kwargs):
-        view = LoopCacheView(cache, offset) if cache is not None else None
+    def _run(self, layers, h, mask, pos, view, use_cache, collect=None, **kwargs):
+        """Apply `layers` with one prebuilt mask; `view` is the cache proxy of this layer group (or None)."""
         pos_emb = self.rotary_emb(h, pos)
         for layer in layers:
             if collect is not None:
@@ -247,6 +459,13 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             h = layer(h, attention_mask=mask, position_ids=pos, cache=view, use_cache=use_cache,
                       position_embeddings=pos_emb, **kwargs)
         return h
+
+    def _mask(self, mask_mod, batch, q_len, kv_len, like):
+        """The attention mask of one call shape for the configured backend (see `build_mask`)."""
+        return build_mask(self.config._attn_implementation, mask_mod, batch, q_len, kv_len, like.device, like.dtype)
+
+    def _token_view(self, cache, offset):
+        return LoopCacheView(cache, offset) if cache is not None else None
 
     # --- operators shared by the full forward and decoding ------------------------------------------------------------
 
@@ -277,9 +496,9 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         memory = memory + w_write.unsqueeze(-1) * update.unsqueeze(-2)
         return memory, (w_read.unsqueeze(-1) * memory).sum(-2)
 
-    def _core(self, t, z, lat_pos, mask, cache, use_cache, **kwargs):
-        """Shared core on latents; returns (ẑ, v) where v feeds the update (ẑ or ẑ − z)."""
-        zhat = self._run(self.core_layers, z, mask, lat_pos, cache, self.layout.core_offset(t), use_cache, **kwargs)
+    def _core(self, t, z, lat_pos, mask, view, use_cache, **kwargs):
+        """Shared core on latents (`view`: the core cache proxy or None); returns (ẑ, v), v = ẑ or ẑ − z."""
+        zhat = self._run(self.core_layers, z, mask, lat_pos, view, use_cache, **kwargs)
         v = zhat - z if self.config.core_output == "delta" else zhat
         return zhat, v
 
@@ -290,110 +509,144 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 
         `aligned` (no padding, positions 0..L−1 in every row) takes the reshape path of the spec; otherwise (or with
         `force_gather`) chunk membership and the read map come from per-row positions (closed-form gather).
-        When `cache` is given (prefill), it writes core K/V, the validity of each latent column and the decode state.
+        When `cache` is given (prefill), each row keeps the core K/V of its own closed latents and the decode state.
         """
         g = self.config.chunk_sizes[t]
-        omega, s, lam = chunk_offset(self.config, g), shift_of(self.config, g), math.sqrt(g)
+        omega = chunk_offset(self.config, g)
         b, L, d = h.shape
+        fast = aligned and not force_gather
         scores = self._scores(t, h)
         n_real = torch.where(valid, pos, torch.full_like(pos, -1)).amax(dim=1) + 1  # tokens per row (b,)
         lt_row = torch.div(n_real + omega, g, rounding_mode="floor")  # closed chunks per row
-        Lt = int(lt_row.max().item()) if b > 0 else 0
-        P = Lt * g
-
-        zhat = v = beta = None
+        lt_host = lt_row.tolist()
+        Lt = max(lt_host, default=0)
+        caching = cache is not None and use_cache
+        v = beta = None
         if Lt > 0:
-            # ---- down-scaling: the (b, Lt, g) padded frame, virtual / absent members masked ----
-            if aligned and not force_gather:
-                hp = _pad_seq(h, omega)[:, :P]
-                sp = _pad_seq(scores, omega, value=_NEG)[:, :P] if scores is not None else None
-                member = _pad_seq(torch.ones(b, L, device=h.device), omega)[:, :P] > 0.5
-            else:
-                fidx = pos + omega
-                inframe = valid & (fidx < P)
-                inv = torch.full((b, P + 1), L, dtype=torch.long, device=h.device)
-                target = torch.where(inframe, fidx, torch.full_like(fidx, P))  # non-members go to a dump slot P
-                inv.scatter_(1, target, torch.arange(L, device=h.device).expand(b, L))
-                inv = inv[:, :P]
-                member = inv < L
-                hp = torch.gather(_pad_seq(h, 0, 1), 1, inv.unsqueeze(-1).expand(b, P, d))
-                sp = torch.gather(_pad_seq(scores, 0, 1, value=_NEG), 1, inv) if scores is not None else None
-            hp = hp.reshape(b, Lt, g, d)
-            if sp is not None:
-                sp = sp.masked_fill(~member, _NEG).reshape(b, Lt, g)
-                alpha = torch.softmax(sp, dim=-1).to(h.dtype)
-                z = (alpha.unsqueeze(-1) * hp).sum(2)
-            else:
-                z = hp.sum(2) / g  # literal 1/g: virtual members count as zeros [D-9]
-
-            # ---- core on the latents (causal over latents, explicit mask) ----
+            z = self._downscale(t, h, scores, pos, valid, Lt, fast)
             j = torch.arange(Lt, device=h.device)
             lat_pos = latent_position_ids(self.config, g, j).unsqueeze(0).expand(b, Lt)
-            lat_mask = additive_mask((j[None, :] <= j[:, None])[None, None], h.dtype)
-            zhat, v = self._core(t, z, lat_pos, lat_mask, cache, use_cache, **kwargs)
+            lat_mask = self._mask(lambda bi, hi, q, kv: kv <= q, None, Lt, Lt, h)  # causal over latents
+            view = _CoreCacheView(cache, self.layout.core_offset(t), keep=lt_host) if caching else None
+            zhat, v = self._core(t, z, lat_pos, lat_mask, view, use_cache, **kwargs)
             beta = self._allocation(t, zhat)  # (b, Lt, g)
-
-            # ---- up-scaling, shift ----
-            if aligned and not force_gather:
-                u_pad = (lam * beta.unsqueeze(-1) * v.unsqueeze(2)).reshape(b, P, d)  # slot p ↔ token p − ω
-                if self.config.shift_frame == "padded":
-                    e = _pad_seq(u_pad, s, max(0, omega + L - s - P))[:, omega : omega + L]
-                else:
-                    u = _pad_seq(u_pad[:, omega:], 0, max(0, L - (P - omega)))[:, :L]
-                    e = _pad_seq(u, s)[:, :L]
-            else:
-                jr, kr, readable = reader_index(self.config, g, pos)
-                readable = readable & valid
-                jc = jr.clamp(0, Lt - 1)
-                b_sel = torch.gather(beta, 1, jc.unsqueeze(-1).expand(b, L, g))
-                b_sel = torch.gather(b_sel, 2, kr.unsqueeze(-1))  # (b, L, 1)
-                v_sel = torch.gather(v, 1, jc.unsqueeze(-1).expand(b, L, d))
-                e = (lam * b_sel * v_sel) * readable.unsqueeze(-1).to(h.dtype)
+            e = self._upscale(t, v, beta, pos, valid, L, fast)
         else:
             e = torch.zeros_like(h)
-
-        if cache is not None and use_cache:
+        if caching:
             self._write_prefill_state(cache, t, h, scores, pos, valid, lt_row, Lt, v, beta)
         return e
 
+    def _downscale(self, t, h, scores, pos, valid, Lt, fast):
+        """z (b, Lt, d): the latents of the Lt closed chunks, from the (b, Lt, g) padded frame (spec §2 step 2);
+        virtual members of chunk 0 and (gather path) absent or padded members are masked out."""
+        g = self.config.chunk_sizes[t]
+        omega = chunk_offset(self.config, g)
+        b, L, d = h.shape
+        P = Lt * g
+        if fast:
+            hp = _pad_seq(h, omega)[:, :P]
+            sp = _pad_seq(scores, omega, value=_NEG)[:, :P] if scores is not None else None
+            member = _pad_seq(torch.ones(b, L, device=h.device), omega)[:, :P] > 0.5
+        else:
+            fidx = pos + omega
+            inframe = valid & (fidx < P)
+            inv = torch.full((b, P + 1), L, dtype=torch.long, device=h.device)
+            target = torch.where(inframe, fidx, torch.full_like(fidx, P))  # non-members go to a dump slot P
+            inv.scatter_(1, target, torch.arange(L, device=h.device).expand(b, L))
+            inv = inv[:, :P]
+            member = inv < L
+            hp = torch.gather(_pad_seq(h, 0, 1), 1, inv.unsqueeze(-1).expand(b, P, d))
+            sp = torch.gather(_pad_seq(scores, 0, 1, value=_NEG), 1, inv) if scores is not None else None
+        hp = hp.reshape(b, Lt, g, d)
+        if sp is None:
+            return hp.sum(2) / g  # literal 1/g: virtual members count as zeros [D-9]
+        sp = sp.masked_fill(~member, _NEG).reshape(b, Lt, g)
+        alpha = torch.softmax(sp, dim=-1).to(h.dtype)
+        return (alpha.unsqueeze(-1) * hp).sum(2)
+
+    def _upscale(self, t, v, beta, pos, valid, L, fast):
+        """ũ (b, L, d): up-scaling u = λ β v and the causal shift (spec §2 steps 4–5; frames of §4.2)."""
+        g = self.config.chunk_sizes[t]
+        omega, s, lam = chunk_offset(self.config, g), shift_of(self.config, g), math.sqrt(g)
+        b, Lt, d = v.shape
+        P = Lt * g
+        if fast:
+            u_pad = (lam * beta.unsqueeze(-1) * v.unsqueeze(2)).reshape(b, P, d)  # slot p ↔ token p − ω
+            if self.config.shift_frame == "padded":
+                return _pad_seq(u_pad, s, max(0, omega + L - s - P))[:, omega : omega + L]
+            u = _pad_seq(u_pad[:, omega:], 0, max(0, L - (P - omega)))[:, :L]
+            return _pad_seq(u, s)[:, :L]
+        jr, kr, readable = reader_index(self.config, g, pos)
+        readable = readable & valid
+        jc = jr.clamp(0, Lt - 1)
+        b_sel = torch.gather(beta, 1, jc.unsqueeze(-1).expand(b, L, g))
+        b_sel = torch.gather(b_sel, 2, kr.unsqueeze(-1))  # (b, L, 1)
+        v_sel = torch.gather(v, 1, jc.unsqueeze(-1).expand(b, L, d))
+        return (lam * b_sel * v_sel) * readable.unsqueeze(-1).to(v.dtype)
+
     # --- cache bookkeeping --------------------------------------------------------------------------------------------
 
-    # packed decode state of iteration t, fp32 (b, 1, 1, 3 + 2d + g): [tokens seen, m, Z, S (d), v_last (d), β_last (g)]
+    # packed decode state of iteration t, fp32 (b, 1, 1, 2 + 2d + g): [m, Z, S (d), v_last (d), β_last (g)]
 
-    def _pack_state(self, count, m, Z, S, v_last, beta_last):
-        return torch.cat([count[:, None], m[:, None], Z[:, None], S, v_last, beta_last], dim=-1)[:, None, None, :]
+    def _pack_state(self, m, Z, S, v_last, beta_last):
+        return torch.cat([m[:, None], Z[:, None], S, v_last, beta_last], dim=-1)[:, None, None, :]
 
     def _unpack_state(self, t, packed):
         d, g = self.config.hidden_size, self.config.chunk_sizes[t]
         x = packed[:, 0, 0, :]
-        return x[:, 0], x[:, 1], x[:, 2], x[:, 3 : 3 + d], x[:, 3 + d : 3 + 2 * d], x[:, 3 + 2 * d : 3 + 2 * d + g]
+        return x[:, 0], x[:, 1], x[:, 2 : 2 + d], x[:, 2 + d : 2 + 2 * d], x[:, 2 + 2 * d : 2 + 2 * d + g]
+
+    def _prepare_cache(self, cache, batch_size: int) -> int:
+        """Give the cache its SpiralFormer slots (generate builds a plain `DynamicCache`); a prefill (empty cache) also
+        starts fresh ragged rows. Returns the number of cached tokens."""
+        ensure_cache_slots(cache, self.layout.total)
+        wanted = [(i, SpiralCoreLayer) for i in self.layout.core_slots()]
+        wanted += [(self.layout.state_slot(t), SpiralStateLayer) for t in range(self.layout.T)]
+        for i, cls in wanted:
+            layer = cache.layers[i]
+            if not isinstance(layer, cls):
+                if layer.is_initialized and layer.get_seq_length() > 0:
+                    raise ValueError(f"cache slot {i} holds a {type(layer).__name__} written by another model, "
+                                     "not a SpiralFormer cache")
+                cache.layers[i] = cls()
+        past = cache.get_seq_length()
+        if past == 0:
+            for i in self.layout.core_slots():
+                cache.layers[i].start(batch_size)
+            for t in range(self.layout.T):
+                cache.layers[self.layout.state_slot(t)].reset()
+        return past
 
     def _check_state(self, cache, past: int) -> None:
         """The decode state must cover exactly the cached tokens: a cropped cache (assisted / prompt-lookup decoding)
         cannot roll back the open-chunk accumulators, so it is refused instead of giving a silently different answer."""
-        layer = cache.layers[self.layout.state_slot(0)]
-        seen = int(layer.keys[0, 0, 0, 0].item()) if layer.get_seq_length() > 0 else -1  # crop empties this slot
+        seen = cache.layers[self.layout.state_slot(0)].seen  # host int: no device sync
         if seen != past:
             raise ValueError(
-                f"SpiralFormer decode state covers {seen} tokens but the cache holds {past}: cropping or editing a "
-                "SpiralFormer cache (assisted or prompt-lookup decoding) is not supported"
+                f"SpiralFormer decode state covers {'a cropped cache' if seen is None else f'{seen} tokens'} but the "
+                f"cache holds {past}: cropping or editing a SpiralFormer cache (assisted or prompt-lookup decoding) "
+                "is not supported"
             )
 
-    def _store_state(self, cache, t, packed):
-        layer = cache.layers[self.layout.state_slot(t)]
-        if not layer.is_initialized:
-            layer.lazy_initialization(packed, packed)
-        layer.keys = packed
-        layer.values = packed
+    def cache_bytes(self, cache) -> dict:
+        """Bytes held by a SpiralFormer cache: `tokens` (pre/post K/V, b × width columns each), `core` (the ragged
+        core K/V: exactly Σ_rows Σ_t N_loop·C_t,row latents), `state` (decode state) and `kv` = tokens + core."""
+        def dense(i):
+            layer = cache.layers[i]
+            return 0 if not layer.is_initialized else sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
+
+        out = {"tokens": sum(dense(i) for i in self.layout.token_slots()),
+               "core": sum(cache.layers[i].nbytes() for i in self.layout.core_slots()),
+               "state": sum(dense(self.layout.state_slot(t)) // 2 for t in range(self.layout.T))}  # keys is values
+        out["kv"] = out["tokens"] + out["core"]
+        return out
 
     def _write_prefill_state(self, cache, t, h, scores, pos, valid, lt_row, Lt, v, beta):
-        """Decode state after a prefill (spec §7.2): open-chunk accumulator, last closed latent, column validity."""
+        """Decode state after a prefill (spec §7.2): open-chunk accumulator and last closed latent of every row."""
         g = self.config.chunk_sizes[t]
         omega = chunk_offset(self.config, g)
         b, L, d = h.shape
-        if Lt > 0:
-            col_valid = (torch.arange(Lt, device=h.device)[None, :] < lt_row[:, None]).float()
-            cache.layers[self.layout.valid_slot(t)].update(col_valid[:, None, :, None], col_valid[:, None, :, None])
         # open chunk = the chunk index lt_row of each row
         open_member = valid & (torch.div(pos + omega, g, rounding_mode="floor") == lt_row[:, None])
         a = scores if scores is not None else torch.zeros(b, L, dtype=torch.float32, device=h.device)
@@ -411,18 +664,19 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         else:
             v_last = torch.zeros(b, d, dtype=torch.float32, device=h.device)
             beta_last = torch.zeros(b, g, dtype=torch.float32, device=h.device)
-        count = torch.full((b,), float(L), dtype=torch.float32, device=h.device)
-        self._store_state(cache, t, self._pack_state(count, m, Z, S, v_last, beta_last))
+        cache.layers[self.layout.state_slot(t)].store(self._pack_state(m, Z, S, v_last, beta_last), seen=L)
 
     # --- one token against the cache (spec §7.2) ----------------------------------------------------------------------
 
-    def _decode_level(self, t, h, pos, valid, cache, **kwargs):
-        """ũ(t) for one new token per row (h: (b, 1, d), pos/valid: (b,)) and the cache update of iteration t."""
+    def _decode_level(self, t, h, pos, valid, trigger, rows, cache, **kwargs):
+        """ũ(t) for one new token per row (h: (b, 1, d); pos, valid, trigger: (b,)) and the cache update of iteration
+        t. `rows` (host list) are the rows whose chunk closes at this token: only they go through the core."""
         cfg = self.config
         g = cfg.chunk_sizes[t]
-        omega, lam = chunk_offset(cfg, g), math.sqrt(g)
+        lam = math.sqrt(g)
         b, _, d = h.shape
-        count, m, Z, S, v_last, beta_last = self._unpack_state(t, cache.layers[self.layout.state_slot(t)].keys)
+        state = cache.layers[self.layout.state_slot(t)]
+        m, Z, S, v_last, beta_last = self._unpack_state(t, state.keys)
 
         def read(v_last, beta_last):
             j, k, readable = reader_index(cfg, g, pos)
@@ -432,42 +686,43 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         e = read(v_last, beta_last) if cfg.shift == "no_overlap" else None  # no overlap: read before the trigger
 
         # online softmax (fp32) over the open chunk, before the trigger test
-        hf = h[:, 0].float()
         scores = self._scores(t, h)
         a = scores[:, 0] if scores is not None else torch.zeros(b, dtype=torch.float32, device=h.device)
         m_new = torch.maximum(m, a)
         keep, add = torch.exp(m - m_new), torch.exp(a - m_new)
-        m2 = torch.where(valid, m_new, m)
-        Z2 = torch.where(valid, Z * keep + add, Z)
-        S2 = torch.where(valid[:, None], S * keep[:, None] + add[:, None] * hf, S)
+        m = torch.where(valid, m_new, m)
+        Z = torch.where(valid, Z * keep + add, Z)
+        S = torch.where(valid[:, None], S * keep[:, None] + add[:, None] * h[:, 0].float(), S)
 
-        trigger = valid & ((pos + omega + 1) % g == 0)
-        if bool(trigger.any()):
-            z = (S2 / Z2.clamp(min=1e-30)[:, None]) if scores is not None else S2 / g
-            z = z.to(h.dtype)[:, None, :]
-            j_new = torch.div(pos + omega + 1, g, rounding_mode="floor") - 1
-            lat_pos = latent_position_ids(cfg, g, j_new)[:, None]
-            vlayer = cache.layers[self.layout.valid_slot(t)]
-            if vlayer.get_seq_length() > 0:
-                cols = vlayer.keys[:, 0, :, 0] > 0.5  # core-cache columns this row owns
-            else:
-                cols = torch.zeros(b, 0, dtype=torch.bool, device=h.device)
-            allowed = torch.cat([cols, torch.ones(b, 1, dtype=torch.bool, device=h.device)], dim=1)
-            core_mask = additive_mask(allowed[:, None, None, :], h.dtype)
-            zhat, v = self._core(t, z, lat_pos, core_mask, cache, True, **kwargs)
-            beta = self._allocation(t, zhat)
-            tv = trigger.float()[:, None, None, None]
-            vlayer.update(tv, tv)
-            v_last = torch.where(trigger[:, None], v[:, 0].float(), v_last)
-            beta_last = torch.where(trigger[:, None], beta[:, 0].float(), beta_last)
-            reset = trigger
-            m2 = torch.where(reset, torch.full_like(m2, _NEG), m2)
-            Z2 = torch.where(reset, torch.zeros_like(Z2), Z2)
-            S2 = torch.where(reset[:, None], torch.zeros_like(S2), S2)
-        self._store_state(cache, t, self._pack_state(count + 1, m2, Z2, S2, v_last, beta_last))
-        if e is None:
-            e = read(v_last, beta_last)
-        return e
+        if rows:  # chunks close: run the core on those rows only, scatter their latents back, reset their accumulators
+            z = S / Z.clamp(min=1e-30)[:, None] if scores is not None else S / g
+            idx, v_new, beta_new = self._close_chunks(t, z.to(h.dtype), pos, trigger, rows, cache, **kwargs)
+            v_last = v_last.index_copy(0, idx, v_new)
+            beta_last = beta_last.index_copy(0, idx, beta_new)
+            m, Z, S = m.index_fill(0, idx, _NEG), Z.index_fill(0, idx, 0.0), S.index_fill(0, idx, 0.0)
+        state.store(self._pack_state(m, Z, S, v_last, beta_last), seen=state.seen + 1)
+        return e if e is not None else read(v_last, beta_last)
+
+    def _close_chunks(self, t, z, pos, trigger, rows, cache, **kwargs):
+        """Core pass of iteration t on the k = len(rows) triggering rows only. z: (b, d) pooled latents of every row.
+        Returns their device row indices (k,) and their v, β (fp32). No host sync: `rows` already lives on the host,
+        and the device indices are the first k of a stable sort that puts triggering rows first."""
+        cfg = self.config
+        g = cfg.chunk_sizes[t]
+        k = len(rows)
+        idx = torch.sort(trigger.to(torch.int8), descending=True, stable=True).indices[:k]
+        j_new = torch.div(pos.index_select(0, idx) + chunk_offset(cfg, g) + 1, g, rounding_mode="floor") - 1
+        lengths = cache.layers[self.layout.core_slot(t, 0)].row_lengths()
+        width = max(lengths[r] for r in rows) + 1
+        # row i's keys: its j_new[i] closed latents, then the new one at column j_new[i], then padding. (A dense (k, W)
+        # table rather than `kv <= j_new[b]`: torch 2.13's compiled CPU flex kernel fails on the latter once the
+        # batch size varies between calls.)
+        visible = torch.arange(width, device=z.device)[None, :] <= j_new[:, None]
+        mask = self._mask(lambda bi, hi, q, kv: visible[bi, kv], k, 1, width, z)
+        view = _CoreCacheView(cache, self.layout.core_offset(t), rows=rows)
+        zhat, v = self._core(t, z.index_select(0, idx)[:, None, :], latent_position_ids(cfg, g, j_new)[:, None],
+                             mask, view, True, **kwargs)
+        return idx, v[:, 0].float(), self._allocation(t, zhat)[:, 0].float()
 
     # --- forward ------------------------------------------------------------------------------------------------------
 
@@ -490,6 +745,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         `output_attentions` is refused for that reason."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        check_attn_implementation(self.config._attn_implementation)
         if output_attentions if output_attentions is not None else self.config.output_attentions:
             raise ValueError("output_attentions is not supported by SpiralFormer: its loops attend over compressed "
                              "latents of varying length; use hf_loops.analysis.capture_trace for attention maps")
@@ -513,10 +769,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             cache = DynamicCache()
         if not use_cache:
             cache = None
-        if cache is not None:
-            ensure_cache_slots(cache, self.layout.total)
-        past = cache.get_seq_length() if cache is not None else 0
         b, L, _ = x.shape
+        past = self._prepare_cache(cache, b) if cache is not None else 0
 
         attention_mask = plain_attention_mask(attention_mask)
         if attention_mask is not None and attention_mask.dim() != 2:
@@ -554,10 +808,12 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         b, L, _ = x.shape
         valid = key_valid[:, -L:]
         aligned = bool(valid.all()) and bool((pos == torch.arange(L, device=x.device)).all())
-        idx = torch.arange(L, device=x.device)
-        tok_mask = additive_mask(((idx[None, :] <= idx[:, None])[None] & valid[:, None, :])[:, None], x.dtype)
-        h = self._run(self.pre_layers, x, tok_mask, pos, cache, self.layout.pre_offset(), use_cache, collect,
-                      **kwargs)
+        if aligned:
+            tok_mask = self._mask(lambda bi, hi, q, kv: kv <= q, None, L, L, x)
+        else:  # causal over the row's real tokens (left padding)
+            tok_mask = self._mask(lambda bi, hi, q, kv: (kv <= q) & valid[bi, kv], b, L, L, x)
+        h = self._run(self.pre_layers, x, tok_mask, pos, self._token_view(cache, self.layout.pre_offset()), use_cache,
+                      collect, **kwargs)
 
         def step(h, t):
             if collect is not None and t > 0:
@@ -565,8 +821,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             return self.spiral_step(h, t, pos, valid, aligned, cache, use_cache, force_gather=force_gather, **kwargs)
 
         h = self._topology_loop(x, h, step)
-        return self._run(self.post_layers, h, tok_mask, pos, cache, self.layout.post_offset(), use_cache, collect,
-                         **kwargs)
+        return self._run(self.post_layers, h, tok_mask, pos, self._token_view(cache, self.layout.post_offset()),
+                         use_cache, collect, **kwargs)
 
     def _topology_loop(self, x, h, step):
         """Run the T resolution steps on the pre-stack output `h`; `step(h, t)` returns iteration t's token update.
@@ -590,14 +846,24 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         return h
 
     def _forward_token(self, x, key_valid, pos, cache, **kwargs):
-        """One token per row (x: (b, 1, d)) against a non-empty cache."""
-        self._check_state(cache, key_valid.shape[1] - 1)
-        tok_mask = additive_mask(key_valid[:, None, None, :], x.dtype)
+        """One token per row (x: (b, 1, d)) against a non-empty cache.
+
+        The step's only host sync reads, for every iteration at once, which rows close a chunk at this token
+        (ρ_t(i) = g_t − 1); each iteration then runs its core on exactly those rows."""
+        b, past = x.shape[0], key_valid.shape[1] - 1
+        self._check_state(cache, past)
         valid = key_valid[:, -1]
+        triggers = torch.stack([valid & ((pos + chunk_offset(self.config, g) + 1) % g == 0)
+                                for g in self.config.chunk_sizes])
+        rows = [[r for r, fired in enumerate(level) if fired] for level in triggers.tolist()]  # the one host sync
+        tok_mask = self._mask(lambda bi, hi, q, kv: key_valid[bi, kv], b, 1, past + 1, x)
         pos2 = pos[:, None]
-        h = self._run(self.pre_layers, x, tok_mask, pos2, cache, self.layout.pre_offset(), True, **kwargs)
-        h = self._topology_loop(x, h, lambda h, t: self._decode_level(t, h, pos, valid, cache, **kwargs))
-        return self._run(self.post_layers, h, tok_mask, pos2, cache, self.layout.post_offset(), True, **kwargs)
+        h = self._run(self.pre_layers, x, tok_mask, pos2, self._token_view(cache, self.layout.pre_offset()), True,
+                      **kwargs)
+        h = self._topology_loop(
+            x, h, lambda h, t: self._decode_level(t, h, pos, valid, triggers[t], rows[t], cache, **kwargs))
+        return self._run(self.post_layers, h, tok_mask, pos2, self._token_view(cache, self.layout.post_offset()), True,
+                         **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -337,9 +337,9 @@ def test_unit_chunk_schedule_is_a_plain_loop_step(topology):
     assert len(core.scorers) == 0 and len(core.allocators) == 0  # A and B are not created for g = 1
     with torch.no_grad():
         x = core.embed_tokens(ids)
-        h = core._run(core.pre_layers, x, mask, pos, None, 0, False)
+        h = core._run(core.pre_layers, x, mask, pos, None, False)
         if topology == "anchor":
-            h = h + core._run(core.core_layers, h, mask, pos, None, 0, False)  # h(1) = h(0) + f_loop(h(0))
+            h = h + core._run(core.core_layers, h, mask, pos, None, False)  # h(1) = h(0) + f_loop(h(0))
         else:
             ww, wr = core._route(0, x)
             M = torch.zeros(2, L, model.config.mesh_slots, 32)
@@ -347,9 +347,9 @@ def test_unit_chunk_schedule_is_a_plain_loop_step(topology):
             M = M + ww.unsqueeze(-1) * h.unsqueeze(-2)
             h = (wr.unsqueeze(-1) * M).sum(-2)
             ww, wr = core._route(1, h)
-            M = M + ww.unsqueeze(-1) * core._run(core.core_layers, h, mask, pos, None, 0, False).unsqueeze(-2)
+            M = M + ww.unsqueeze(-1) * core._run(core.core_layers, h, mask, pos, None, False).unsqueeze(-2)
             h = (wr.unsqueeze(-1) * M).sum(-2)
-        h = core._run(core.post_layers, h, mask, pos, None, 0, False)
+        h = core._run(core.post_layers, h, mask, pos, None, False)
         ref = model.lm_head(core.norm(h))
         out = model(ids, use_cache=False).logits
     assert (out - ref).abs().max() < 1e-5
@@ -593,10 +593,5 @@ def test_kv_memory_formula_matches_cache_bytes(n0, extra):
         model(ids[:, :n0], cache=cache, use_cache=True)
         for i in range(n0, n0 + extra):
             model(ids[:, i : i + 1], cache=cache, use_cache=True)
-    layout = model.model.layout
-    kv = sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers[: layout.bookkeeping]
-        if layer.is_initialized
-    )
+    kv = model.model.cache_bytes(cache)["kv"]
     assert kv == fs.kv_cache_bytes(fs.SpiralShape.from_config(model.config), n0 + extra, bytes_per_element=4)
