@@ -43,7 +43,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
@@ -308,7 +308,10 @@ _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 
 def check_attn_implementation(impl) -> None:
-    if impl not in _ATTN_IMPLEMENTATIONS:
+    """eager / sdpa / flex_attention, or a custom function registered with `AttentionInterface` (it receives the
+    float additive masks, e.g. hf_loops.analysis's recording functions); flash and paged kernels are refused."""
+    if impl is None or str(impl).startswith(("flash_attention", "paged")) or (
+            impl not in _ATTN_IMPLEMENTATIONS and impl not in ALL_ATTENTION_FUNCTIONS.valid_keys()):
         raise ValueError(
             f"SpiralFormer supports attn_implementation in {list(_ATTN_IMPLEMENTATIONS)}, got {impl!r}: its chunk "
             "latents and left-padded rows need explicit masks (float masks for eager/sdpa, a BlockMask for "
