@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every row of the benchmark suite on a GPU, in bf16, on a Qwen3-1.7B-shaped model (random weights, no downloads):
+#
+#     bash bench/gpu.sh [more `python -m bench` options, e.g. --rows tah2-kv,spiral-core]
+#
+# Writes bench/results/cuda.json and bench/results/cuda.md and prints the table. Meant to finish within about
+# 8 minutes (each torch.compile row is cut at 120 s and reported as such). Attention: flash_attention_2 where the
+# flash-attn package is installed, else sdpa; a row that fails under flash is measured again with sdpa and says so.
+# Needs a python with torch (CUDA build) and transformers 5.x; hf_loops is imported from this checkout, not installed.
+# Not yet run: no GPU was lent when it was written.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python}"
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    PY=.venv/bin/python
+fi
+"$PY" - <<'EOF'
+import torch, transformers
+assert torch.cuda.is_available(), "no CUDA device visible to torch"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+EOF
+
+"$PY" -m bench all --device cuda --dtype bfloat16 "$@"

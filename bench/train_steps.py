@@ -1,0 +1,123 @@
+"""Training-step rows: TaH2 SFT step ÷ Standard SFT step, SGT and Block Loop train step ÷ vanilla.
+
+A step is forward + backward (no optimizer) on `train_batch` × `train_seq` random tokens. TaH2 runs M = 2 with
+lookahead depth supervision through `tah2_joint_loss`, as `TaH2SFTTrainer` does; its random decider sends part of
+the tokens to depth 2 and the row reports that realised depth d̄ next to the goal 1 + (d̄ − 1) + 0.4.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from hf_loops import TAH2_PRESETS, SGTConfig
+from hf_loops.conversion import convert_qwen3
+from hf_loops.modeling.modeling_sgt import SGTForCausalLM
+from hf_loops.training.tah2_trainer import tah2_joint_loss
+
+from .common import (
+    Ctx,
+    Row,
+    Size,
+    built,
+    error_row,
+    interleaved_best,
+    judged,
+    place,
+    qwen3_config,
+    qwen3_source,
+    random_ids,
+    timed,
+)
+
+SUPERVISION = dict(coverage=0.99, decider_loss_weight=0.05, cost_min=1e-6, cost_max=1.0, beta_clamp=(0.02, 50.0),
+                   bce_margin=0.0, lookahead=True)
+# std of the random decider logit (score weights N(0, 2/√d) on a unit-RMS input), so g spreads over (0, 1)
+DECIDER_SPREAD = 2.0
+
+
+def _shape(ctx: Ctx) -> str:
+    return f"batch {ctx.workload.train_batch} × {ctx.workload.train_seq} tokens"
+
+
+def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
+    def make():
+        qwen = qwen3_source(size)
+        return (convert_qwen3(qwen, "tah2", seed=0, **TAH2_PRESETS["standard"]),
+                convert_qwen3(qwen, "tah2", seed=0, max_iterations=2))
+
+    standard, tah2 = built(ctx, make)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        tah2.decider.score.weight.normal_(0.0, DECIDER_SPREAD / size.hidden ** 0.5)
+    attn = place(standard.train(), ctx)
+    place(tah2.train(), ctx)
+    ids = random_ids(size.vocab, ctx.workload.train_batch, ctx.workload.train_seq, ctx.device)
+    batch, sup = {"input_ids": ids, "labels": ids}, types.SimpleNamespace(**SUPERVISION)
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss, out, _ = tah2_joint_loss(model, batch, sup)
+            loss.backward()
+            return float(out.iter_counts.float().mean())
+        return lambda: timed(ctx.device, run)
+
+    best = interleaved_best({"standard": step(standard), "tah2": step(tah2)}, ctx.workload.repeats)
+    ratio, d = best["tah2"][0] / best["standard"][0], best["tah2"][1]
+    bound = min(1.9, d + 0.4)
+    return [Row("tah2-sft", "TaH2 SFT step ÷ Standard SFT step (M = 2, lookahead)", size.name,
+                f"≤ 1.9× and ≤ d̄ + 0.4 = {d + 0.4:.2f}", ratio, judged(ratio <= bound),
+                note=f"d̄ {d:.2f}; {_shape(ctx)}; {attn}",
+                extra={"mean_depth": d, "seconds": {k: v[0] for k, v in best.items()}})]
+
+
+def sgt_rows(size: Size, ctx: Ctx) -> list[Row]:
+    base = qwen3_config(size).to_dict()
+    top = list(range(size.layers - 3, size.layers))
+    plan = [{"layer": layer, "heads": [0, size.heads - 1], "depth": 1} for layer in top]
+    configs = {"vanilla": SGTConfig(**base), "sgt": SGTConfig(**base, loop_plan=plan),
+               "block": SGTConfig(**base, loop_mode="block", block_loop_layers=top, block_loop_depth=1)}
+    torch.manual_seed(0)
+    models = built(ctx, lambda: {k: SGTForCausalLM(c) for k, c in configs.items()})
+    state = models["vanilla"].state_dict()
+    for m in models.values():
+        m.load_state_dict(state)
+    attn = {k: place(m.train(), ctx) for k, m in models.items()}["vanilla"]
+    ids = random_ids(size.vocab, ctx.workload.train_batch, ctx.workload.train_seq, ctx.device)
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        return lambda: timed(ctx.device, run)
+
+    wanted = {k: m for k, m in models.items() if k == "vanilla" or ctx.wants(f"{k}-train")}
+    best = interleaved_best({k: step(m) for k, m in wanted.items()}, ctx.workload.repeats)
+    out = []
+    if "sgt" in best:
+        r = best["sgt"][0] / best["vanilla"][0]
+        out.append(Row("sgt-train", "SGT train step ÷ vanilla (3 looped layers, 2 heads, K = 1)", size.name,
+                       "≤ 1.05×", r, judged(r <= 1.05), note=f"{_shape(ctx)}; {attn}"))
+    if "block" in best:
+        r = best["block"][0] / best["vanilla"][0]
+        out.append(Row("block-train", "Block Loop train step ÷ vanilla (3 layers, depth 1)", size.name, "reported",
+                       r, judged(None), note=f"{_shape(ctx)}; {attn}"))
+    return out
+
+
+def rows(size: Size, ctx: Ctx) -> list[Row]:
+    out = []
+    if ctx.wants("tah2-sft"):
+        try:
+            out += tah2_sft_rows(size, ctx)
+        except Exception as exc:
+            out.append(error_row("tah2-sft", "TaH2 SFT step ÷ Standard SFT step", size.name, "≤ 1.9×", exc))
+    if ctx.wants("sgt-train") or ctx.wants("block-train"):
+        try:
+            out += sgt_rows(size, ctx)
+        except Exception as exc:
+            out += [error_row(i, "SGT / Block Loop train step ÷ vanilla", size.name, "", exc)
+                    for i in ("sgt-train", "block-train") if ctx.wants(i)]
+    return out

@@ -1,0 +1,38 @@
+"""The benchmark suite's smallest run writes every row it was asked for, in the JSON and markdown layout the README
+and the lead's tables read. No timing assertions: a row may miss its goal (or error) and still be well formed."""
+
+import json
+import os
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = ["tah2-eff-b1", "tah2-kv-b8", "tah2-sft", "sgt-train", "block-train", "spiral-prefill", "spiral-core-passes"]
+
+
+def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(ROOT)  # `bench` lives at the repository root, next to the package
+    from bench.cli import main
+
+    threads = torch.get_num_threads()  # in-process (no second import of transformers), threads and RNG left as found
+    with torch.random.fork_rng(devices=[]):
+        main(["all", "--quick", "--repeats", "1", "--threads", str(threads), "--rows", ",".join(ROWS),
+              "--out", str(tmp_path), "--stem", "smoke"])
+    assert torch.get_num_threads() == threads
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    settings = data["settings"]
+    for key in ("device", "dtype", "threads", "torch", "transformers", "workload", "sizes", "elapsed_s"):
+        assert key in settings, key
+    assert settings["device"] == "cpu" and settings["quick"] and list(settings["sizes"]) == ["tiny"]
+    ids = [r["id"] for r in data["rows"]]
+    assert sorted(ids) == sorted(ROWS)  # every wanted row reported once, missed or not
+    for r in data["rows"]:
+        assert set(r) >= {"id", "name", "size", "goal", "measured", "met", "note"}
+        assert r["met"] in {"yes", "no", "reported", "error"}
+        assert (r["measured"] is None) == (r["met"] == "error"), r
+    md = (tmp_path / "smoke.md").read_text().splitlines()
+    header = "| row | size | goal | measured | met? | note |"
+    assert header in md
+    table = [line for line in md if line.startswith("| ") and line != header]
+    assert len(table) == len(ROWS) and all(line.count("|") == 7 for line in table)
+    assert header in capsys.readouterr().out  # the table is printed too
