@@ -46,11 +46,12 @@ class RaggedLayout:
     seq: torch.Tensor
 
     @classmethod
-    def build(cls, meta_keys: torch.Tensor, meta_values: torch.Tensor, batch_size: int) -> "RaggedLayout":
+    def build(cls, meta_keys: torch.Tensor, meta_values: torch.Tensor, counts: list[int]) -> "RaggedLayout":
+        """`counts`: entries per row, kept on the host by the cache, so the view's width needs no device read."""
         rows = meta_values[0, 0, :, 0].long()
         N, device = rows.numel(), rows.device
-        counts = torch.bincount(rows, minlength=batch_size)
-        width = int(counts.max()) if N else 0
+        batch_size, width = len(counts), max(counts, default=0)
+        counts = torch.tensor(counts, dtype=torch.long, device=device)
         order = torch.argsort(rows, stable=True)
         sorted_rows = rows[order]
         start = counts.cumsum(0) - counts
@@ -81,9 +82,12 @@ class RaggedLayout:
         return picked.view(picked.shape[0], Bj, n, picked.shape[-1]).transpose(0, 1)
 
 
-def _flat_real(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """(Bj, H, Tj, D) states of the slots `real` (Bj, Tj) → (1, H, n, D), row-major (the order metadata is flattened)."""
-    return states.transpose(1, 2)[real].transpose(0, 1).unsqueeze(0)
+def _flat_real(states: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """(Bj, H, Tj, D) states of the slots `real` (Bj, Tj) → (1, H, n, D), row-major (the order metadata is flattened);
+    `real=None`: every slot (one-token calls), without a boolean index."""
+    flat = states.transpose(1, 2)
+    flat = flat.reshape(-1, *flat.shape[2:]) if real is None else flat[real]
+    return flat.transpose(0, 1).unsqueeze(0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -173,12 +177,23 @@ class TaH2Cache(DynamicCache):
         return total
 
     # -- metadata ----------------------------------------------------------------------------------------------------
+    def _row_counts(self, stream: int, batch_size: int) -> list[int]:
+        """Entries per row of ragged stream `stream`, kept on the host (appends update it from host-known rows; a
+        crop or batch reorder drops it and the next read recounts once)."""
+        counts = self.__dict__.setdefault("_ragged_counts", {})
+        if stream not in counts or len(counts[stream]) != batch_size:
+            layer = self.layers[self.meta_slot(stream)]
+            rows = layer.values[0, 0, :, 0].long() if layer.get_seq_length() > 0 else torch.zeros(0, dtype=torch.long)
+            counts[stream] = torch.bincount(rows, minlength=batch_size).tolist()
+        return counts[stream]
+
     def ragged_layout(self, stream: int, batch_size: int | None = None) -> RaggedLayout | None:
         slot = self.meta_slot(stream)
         if slot >= len(self.layers) or self.layers[slot].get_seq_length() == 0:
             return None
         layer = self.layers[slot]
-        return RaggedLayout.build(layer.keys, layer.values, batch_size or self.batch_size())
+        batch_size = batch_size or self.batch_size()
+        return RaggedLayout.build(layer.keys, layer.values, self._row_counts(stream, batch_size))
 
     def stream_metadata(self, stream: int, batch_size: int | None = None) -> dict | None:
         """pos, valid, index (stream-0 coordinate) and depth of every entry of `stream`, row-padded (B, n); None when
@@ -203,10 +218,20 @@ class TaH2Cache(DynamicCache):
         values = torch.stack([valid.to(torch.float32), index.to(torch.float32), depth.to(torch.float32)], dim=-1)
         self.layers[self.meta_slot(stream)].update(keys, values[:, None])
 
-    def append_ragged_metadata(self, stream: int, pos, valid, index, seq=None) -> None:
-        """Append the real entries (`valid`) of (B, T) metadata to ragged stream `stream`, row-major."""
+    def append_ragged_metadata(self, stream: int, pos, valid, index, seq=None, rows_hint=None) -> None:
+        """Append the real entries (`valid`) of (B, T) metadata to ragged stream `stream`, row-major. `rows_hint` =
+        (device rows, host rows) of a one-token call: the entries are (row, 0) for those rows, found without a sync."""
         self.ensure_streams(stream + 1)
-        rows, t = valid.nonzero(as_tuple=True)
+        counts = self._row_counts(stream, valid.shape[0])
+        if rows_hint is not None:
+            rows, host_rows = rows_hint
+            t = torch.zeros_like(rows)
+            for r in host_rows:
+                counts[r] += 1
+        else:
+            rows, t = valid.nonzero(as_tuple=True)
+            for r, n in enumerate(valid.sum(1).tolist()):
+                counts[r] += n
         doc = seq[rows, t] if seq is not None else torch.full_like(rows, -1)
         values = torch.stack([rows, index[rows, t], torch.zeros_like(rows), doc], dim=-1).to(torch.float32)
         keys = pos[rows, t].to(torch.float32)
@@ -221,6 +246,7 @@ class TaH2Cache(DynamicCache):
     # -- generate's cache operations -------------------------------------------------------------------------------------
     def _keep_entries(self, stream: int, entries: torch.Tensor, new_rows: torch.Tensor | None = None) -> None:
         """Ragged stream: keep the flat `entries` (in this order); `new_rows` relabels their rows."""
+        self.__dict__.get("_ragged_counts", {}).pop(stream, None)
         for slot in self.stream_slots(stream):
             layer = self.layers[slot]
             if entries.numel() == 0:
@@ -340,14 +366,15 @@ class CallStreams:
             self.layouts[stream] = self.store(stream).ragged_layout(stream, self.batch_size)
         return self.layouts[stream]
 
-    def add_entries(self, stream: int, pos, valid, index, seq=None, cont=None) -> None:
+    def add_entries(self, stream: int, pos, valid, index, seq=None, cont=None, rows_hint=None) -> None:
         """Register this call's new entries of `stream` (full batch, appended after the past entries).
 
-        `cont` (lookahead only) marks entries whose token really executed this depth in the main forward."""
+        `cont` (lookahead only) marks entries whose token really executed this depth in the main forward; `rows_hint`
+        (one-token calls) = (device rows, host rows) of the entries."""
         self.new_meta[stream] = {"pos": pos, "valid": valid, "index": index, "seq": seq, "cont": cont}
         self.meta.pop(stream, None)  # merged with the past lazily: most decode steps never read it
         if self.ragged(stream):
-            self.store(stream).append_ragged_metadata(stream, pos, valid, index, seq)
+            self.store(stream).append_ragged_metadata(stream, pos, valid, index, seq, rows_hint)
             self.layouts.pop(stream, None)
 
     def merged(self, stream: int) -> dict:

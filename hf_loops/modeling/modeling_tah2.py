@@ -239,6 +239,7 @@ class _Packing:
     real: torch.Tensor  # (Bj, Tj) bool
     identity: bool = False  # depth 1: every position of every row, in place
     one_per_row: bool = False  # Tj = 1 and every slot is listed as a token
+    rows_host: list | None = None  # one-token packs: `rows` as a host list (None: every row)
 
     @classmethod
     def everything(cls, valid: torch.Tensor) -> "_Packing":
@@ -253,14 +254,15 @@ class _Packing:
         return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
 
     @classmethod
-    def of_rows(cls, rows: torch.Tensor, batch_size: int) -> "_Packing | None":
-        """One-token calls: the packing of the (sorted) rows `rows`, from their count alone (known on the host)."""
-        n = rows.numel()
+    def of_rows(cls, rows: torch.Tensor, rows_host: list, batch_size: int) -> "_Packing | None":
+        """One-token calls: the packing of the (sorted) rows `rows` (`rows_host` on the host)."""
+        n = len(rows_host)
         if n == 0:
             return None
         slot = torch.zeros(n, 1, dtype=torch.long, device=rows.device)
-        return cls(None if n == batch_size else rows, slot, torch.ones(n, 1, dtype=torch.bool, device=rows.device),
-                   one_per_row=True)
+        every = n == batch_size
+        return cls(None if every else rows, slot, torch.ones(n, 1, dtype=torch.bool, device=rows.device),
+                   one_per_row=True, rows_host=None if every else rows_host)
 
     @classmethod
     def of(cls, active: torch.Tensor) -> "_Packing | None":
@@ -776,6 +778,9 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             index=pack.scatter_rows(q_index, B, 0),
             seq=pack.scatter_rows(q_seq, B, -1) if q_seq is not None else None,
             cont=pack.scatter_rows(cont, B, False) if cont is not None else None,
+            rows_hint=(pack.rows if pack.rows is not None else torch.arange(B, device=x.device),
+                       pack.rows_host if pack.rows_host is not None else list(range(B)))
+            if pack.one_per_row and not pack.identity else None,
         )
         if stream0_mask is not None:
             key_streams, mask = [0], stream0_mask
@@ -786,7 +791,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                                            key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
             mask = iteration_mask(visible, self.config, x.dtype)
         x_j = pack.gather(x)
-        view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous, real=pack.real)
+        view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous,
+                          real=None if pack.one_per_row else pack.real)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
         return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view, collect))
 
@@ -912,19 +918,30 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                 qexit.update(step)
         return step
 
-    def _advance(self, run: _LoopSetup, step: DepthStep, x: torch.Tensor) -> tuple[torch.Tensor, _Packing | None]:
+    def _advance(self, run: _LoopSetup, step: DepthStep, x: torch.Tensor,
+                 pack: _Packing) -> tuple[torch.Tensor, _Packing | None]:
         """Updater inputs x(m+1) = U(e, h(m)) of the continuing tokens, and their packing for depth m + 1 (None when no
-        token continues). Listing the continuing tokens is the one host sync of a decoding step's depth boundary."""
-        idx = step.cont.nonzero().squeeze(1)
+        token continues). Reading the continue decisions is the one host sync of a decoding step's depth boundary:
+        a one-token call reads them as a host list, from which every later shape and the ragged cache's row counts
+        follow."""
+        B, T = run.valid.shape
+        rows_host = None
+        if T == 1 and pack.one_per_row and self.config.decider != "exit_gate":
+            flags = step.cont.tolist()
+            previous = range(B) if pack.rows_host is None else pack.rows_host
+            picked = [i for i, f in enumerate(flags) if f]
+            rows_host = [previous[i] for i in picked]
+            idx = torch.tensor(picked, dtype=torch.long, device=x.device)
+        else:
+            idx = step.cont.nonzero().squeeze(1)
         cb, ct = step.batch_index.index_select(0, idx), step.time_index.index_select(0, idx)
         logits = step.logits.index_select(0, idx) if step.logits is not None else None
         x_next = self._next_input(step.embeds.index_select(0, idx), step.hidden.index_select(0, idx), logits)
         x = x.index_put((cb, ct), x_next.to(x.dtype))
-        B, T = run.valid.shape
         if self.config.decider == "exit_gate":  # dense streams in time order (exited tokens' K/V get copied)
             return x, _Packing.everything(run.valid)
-        if T == 1:
-            return x, _Packing.of_rows(cb, B)
+        if rows_host is not None:
+            return x, _Packing.of_rows(cb, rows_host, B)
         active = torch.zeros(B, T, dtype=torch.bool, device=x.device).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
         return x, _Packing.of(active)
 
@@ -1070,7 +1087,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
                 break
             if qexit is not None and self.config.exit_kv_fill == "copy_last":
                 copy_previous = qexit.exited()
-            x, pack = self._advance(run, step, x)
+            x, pack = self._advance(run, step, x, pack)
             if not _any_on_any_rank(pack is not None, run.synchronise):
                 break
             pack = pack or _Packing.placeholder(B, device)
