@@ -93,6 +93,22 @@ def flex_cpu_guard(config, device: torch.device):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def explicit_mask_backend(config, attention_mask):
+    """flash-attention kernels take only padding masks: a pass whose layers get an explicit (B, 1, Tq, S) mask (TaH2's
+    cross-iteration visibility) runs under sdpa, while the plain causal passes (stream 0) keep flash-attention."""
+    impl = config._attn_implementation
+    if (isinstance(impl, str) and impl.startswith("flash_attention") and torch.is_tensor(attention_mask)
+            and attention_mask.dim() == 4):
+        config._attn_implementation_internal = "sdpa"
+        try:
+            yield
+        finally:
+            config._attn_implementation_internal = impl
+    else:
+        yield
+
+
 def iteration_mask(allowed: torch.Tensor, config, dtype: torch.dtype):
     """The mask object the configured attention backend takes for an explicit (B, Tq, S) visibility pattern: a
     `BlockMask` for flex_attention, otherwise a float additive (B, 1, Tq, S) mask (eager and sdpa)."""

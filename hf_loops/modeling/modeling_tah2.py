@@ -38,6 +38,7 @@ from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
+    explicit_mask_backend,
     flex_cpu_guard,
     iteration_mask,
     plain_attention_mask,
@@ -571,7 +572,7 @@ class TaH2PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3DecoderLayer"]
     _supports_sdpa = True
-    _supports_flash_attn = False  # cross-iteration masks cannot be expressed by flash-attention
+    _supports_flash_attn = True  # stream 0 (plain causal) only; deeper depths' explicit masks run under sdpa
     _supports_flex_attn = True  # deeper depths get a BlockMask of the visibility pattern (`iteration_mask`)
     _supports_attention_backend = False
 
@@ -623,7 +624,7 @@ class TaH2Model(TaH2PreTrainedModel):
         the `span` = (start, end) slice (Huginn-style prelude / core / coda).
 
         `collect` (optional `LayerCollector`) records each layer's input and, under eager attention, its weights."""
-        with flex_cpu_guard(self.config, hidden.device):
+        with flex_cpu_guard(self.config, hidden.device), explicit_mask_backend(self.config, attention_mask):
             return self._run_layers(hidden, attention_mask, position_ids, position_embeddings, cache, collect, span)
 
     def _run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect, span):

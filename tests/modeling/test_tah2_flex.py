@@ -1,8 +1,9 @@
-"""TaH2 under flex_attention: the cross-iteration visibility goes through a `BlockMask` (built once per depth pass)
+"""TaH2's attention backends. flex_attention: the cross-iteration visibility goes through a `BlockMask` (built once per depth pass)
 and gives the eager answer — full forward with left padding, cached decoding (ragged deeper streams).
 
 flex compiles its kernel once per shape on CPU (static shapes: see `loop_utils.flex_cpu_guard`), so the cases are few
-and share one module-scoped model."""
+and share one module-scoped model. flash-attention: stream 0 only (checked with a stand-in kernel; flash-attn does not
+build here), the deeper depths under sdpa."""
 
 import pytest
 import torch
@@ -67,3 +68,42 @@ def test_flex_backward_on_cpu_is_torchs_limit_not_ours(models):
             flex(ids, attention_mask=mask, labels=ids).loss.backward()
     finally:
         flex.eval()
+
+
+def test_flash_attention_runs_stream_zero_and_sdpa_runs_the_deeper_depths(monkeypatch):
+    """flash-attn cannot be installed here: a stand-in kernel under the flash name checks what flash would receive
+    (never an explicit 4-D mask: only the plain causal stream-0 passes go to it) and computes causal attention with
+    key padding; the deeper depths must then run under sdpa, and the answer must equal eager's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+
+    def fake_flash(module, query, key, value, attention_mask, **kwargs):
+        assert attention_mask is None or attention_mask.dim() == 2, "flash got an explicit mask"
+        T, S = query.shape[-2], key.shape[-2]
+        allowed = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None, None].expand(query.shape[0], 1, T, S)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, None, -S:].bool()
+        calls.append((T, S))
+        return sdpa_attention_forward(module, query, key, value, allowed, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", fake_flash)
+    eager = script_decider(tiny_tah2(max_iterations=3), pattern_by_hidden)
+    eager.set_attn_implementation("eager")
+    flash = script_decider(tiny_tah2(max_iterations=3), pattern_by_hidden)
+    flash.config._attn_implementation_internal = "flash_attention_2"  # the package check would refuse here
+    ids, mask = _batch()
+    with torch.no_grad():
+        a = eager(ids, attention_mask=mask)
+        b = flash(ids, attention_mask=mask)
+        layers = flash.config.num_hidden_layers
+        assert calls == [(11, 11)] * layers  # depth 1 only; depths 2 and 3 ran under sdpa
+        assert flash.config._attn_implementation == "flash_attention_2"
+        cache = flash(ids[:, :9], attention_mask=mask[:, :9], use_cache=True).cache
+        step = flash(ids[:, 9:10], attention_mask=mask[:, :10], cache=cache, use_cache=True)
+    real = mask.bool()
+    assert torch.equal(a.iter_counts, b.iter_counts) and a.iter_counts.max() == 3
+    assert (a.logits - b.logits)[real].abs().max() <= 1e-5
+    assert (step.logits[:, -1] - a.logits[:, 9]).abs().max() <= 1e-5
+    assert calls[-1] == (1, 10)
