@@ -18,6 +18,10 @@ During a decay window the sliced path runs over every head whose gate is still >
 Cache: slot (l, k) is the virtual layer index `num_hidden_layers + slot(l, k)` in `cache.layers` (slots ordered by
 layer then loop); each holds only the kept heads' key/value groups. Causality makes caching each loop's K/V exact.
 
+Attention: every pass calls transformers' attention interface with the call's own mask (built once per forward and
+shared by all layers and loops): attn_implementation "sdpa", "eager", "flex_attention" or "flash_attention_2" (see
+`SGTPreTrainedModel`).
+
 Entropy probe (training only, while the growth callback asks for it): for each attention pass, the normalised entropy
 of one query row per sequence (the last valid one, or a few sampled rows), computed from the same post-RoPE Q/K under
 `no_grad` without ever materialising a T×T attention matrix.
@@ -25,13 +29,19 @@ of one query row per sequence (the last valid one, or a few sampled rows), compu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -46,7 +56,14 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_sgt import SGTConfig
-from .loop_utils import LayerCollector, LoopCacheView, ensure_cache_slots, plain_attention_mask, positions_from_mask
+from .loop_utils import (
+    LayerCollector,
+    LoopCacheView,
+    ensure_cache_slots,
+    flex_cpu_guard,
+    plain_attention_mask,
+    positions_from_mask,
+)
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Entropy statistic (§3)
@@ -115,17 +132,33 @@ def probe_rows_from_mask(attention_mask, batch: int, length: int, estimator: str
 
 
 class _HeadSubset:
-    """What the attention interfaces read from `module`, for a sliced loop whose K/V are already expanded per head."""
+    """The attention module as the attention interfaces see it in a sliced loop: `num_key_value_groups` is the number
+    of kept query heads per kept kv head (K/V hold only κ(S)); every other attribute is the real module's."""
 
-    num_key_value_groups = 1
-    is_causal = True
+    def __init__(self, attn: Qwen3Attention, num_key_value_groups: int):
+        self._attn = attn
+        self.num_key_value_groups = num_key_value_groups
 
-    def __init__(self, attn: Qwen3Attention):
-        self.config = attn.config
-        self.training = attn.training
-        self.layer_idx = attn.layer_idx
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
+    def __getattr__(self, name):
+        return getattr(self._attn, name)
+
+
+def _selector(rows: list[int], total: int, device):
+    """How to take the sorted `rows` out of `total`: None = all of them, a slice = one contiguous run (both views: no
+    copy forward, no scatter backward), else an index tensor (`index_select`)."""
+    if rows == list(range(total)):
+        return None
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, device=device)
+
+
+def _take(tensor, selector, dim: int):
+    if selector is None:
+        return tensor
+    if isinstance(selector, slice):
+        return tensor[selector] if dim == 0 else tensor[:, selector]
+    return tensor.index_select(dim, selector)
 
 
 class SGTAttention(Qwen3Attention):
@@ -183,18 +216,24 @@ class SGTAttention(Qwen3Attention):
         out = out * gate.to(out.dtype)[None, None, :, None]
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
-    def _slice_indices(self, heads: tuple[int, ...], device):
-        """Row indices of the kept query heads and of the kv heads κ(S) serving them; per-head kv position."""
+    def _slice_plan(self, heads: tuple[int, ...], device):
+        """How a sliced loop over the sorted query heads `heads` reads the shared weights, cached per (heads, device):
+        (q/o selector, kv selector, number of kv heads κ(S), kv groups or None, per-head kv index). With `groups` set,
+        every kv head of κ(S) serves `groups` consecutive kept heads and the attention interface handles the GQA itself;
+        otherwise K/V are expanded to one kv head per kept head with the per-head kv index."""
         key = (heads, str(device))
         cached = getattr(self, "_slice_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
         d, groups = self.head_dim, self.num_key_value_groups
         kv_heads = sorted({h // groups for h in heads})
-        q_rows = torch.tensor([h * d + i for h in heads for i in range(d)], device=device)
-        kv_rows = torch.tensor([g * d + i for g in kv_heads for i in range(d)], device=device)
-        kv_of_head = torch.tensor([kv_heads.index(h // groups) for h in heads], device=device)
-        value = (q_rows, kv_rows, kv_of_head, len(kv_heads))
+        q_sel = _selector([h * d + i for h in heads for i in range(d)], self.q_proj.out_features, device)
+        kv_sel = _selector([g * d + i for g in kv_heads for i in range(d)], self.k_proj.out_features, device)
+        kv_of_head = [kv_heads.index(h // groups) for h in heads]
+        per_kv = len(heads) // len(kv_heads)
+        uniform = kv_of_head == [i // per_kv for i in range(len(heads))]
+        value = (q_sel, kv_sel, len(kv_heads), per_kv if uniform else None,
+                 None if uniform else torch.tensor(kv_of_head, device=device))
         self._slice_cache = (key, value)
         return value
 
@@ -202,34 +241,33 @@ class SGTAttention(Qwen3Attention):
                     probe=None, **kwargs):
         """Sparse loop: only the query heads `heads` and their kv heads are computed (and cached), W_O column slice."""
         heads = tuple(heads)
-        q_rows, kv_rows, kv_of_head, n_kv = self._slice_indices(heads, normed.device)
+        q_sel, kv_sel, n_kv, kv_groups, kv_of_head = self._slice_plan(heads, normed.device)
         b, t = normed.shape[:2]
         d = self.head_dim
 
-        def proj(linear, rows):
-            bias = linear.bias.index_select(0, rows) if linear.bias is not None else None
-            return F.linear(normed, linear.weight.index_select(0, rows), bias)
+        def proj(linear, sel):
+            bias = _take(linear.bias, sel, 0) if linear.bias is not None else None
+            return F.linear(normed, _take(linear.weight, sel, 0), bias)
 
-        q = self.q_norm(proj(self.q_proj, q_rows).view(b, t, len(heads), d)).transpose(1, 2)
-        k = self.k_norm(proj(self.k_proj, kv_rows).view(b, t, n_kv, d)).transpose(1, 2)
-        v = proj(self.v_proj, kv_rows).view(b, t, n_kv, d).transpose(1, 2)
+        q = self.q_norm(proj(self.q_proj, q_sel).view(b, t, len(heads), d)).transpose(1, 2)
+        k = self.k_norm(proj(self.k_proj, kv_sel).view(b, t, n_kv, d)).transpose(1, 2)
+        v = proj(self.v_proj, kv_sel).view(b, t, n_kv, d).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, slot)
-        # GQA: give every kept query head its own kv head (κ(h)), then attend head by head.
-        k = k.index_select(1, kv_of_head)
-        v = v.index_select(1, kv_of_head)
+        if kv_groups is None:  # kept heads spread unevenly over κ(S): one kv head per kept query head
+            k, v, kv_groups = k.index_select(1, kv_of_head), v.index_select(1, kv_of_head), 1
         if probe is not None:
-            probe(q, k, 1, heads)
+            probe(q, k, kv_groups, heads)
         out, _ = self._interface()(
-            _HeadSubset(self), q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+            _HeadSubset(self, kv_groups), q, k, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs,
         )  # (B, T, h, d)
         if gate is not None:
             out = out * gate.to(out.dtype)[None, None, :, None]
-        w_o = self.o_proj.weight.index_select(1, q_rows)
-        return F.linear(out.reshape(b, t, len(heads) * d), w_o, self.o_proj.bias)
+        return F.linear(out.reshape(b, t, len(heads) * d), _take(self.o_proj.weight, q_sel, 1), self.o_proj.bias)
 
 
 class SGTDecoderLayer(Qwen3DecoderLayer):
@@ -301,15 +339,18 @@ class SGTDecoderLayer(Qwen3DecoderLayer):
     # --- forward ---------------------------------------------------------------------------------------------------
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, loop_slots=None, probe_rows=None, **kwargs):
+                position_embeddings=None, loop_slots=None, probe_rows=None, probe_mask=None, **kwargs):
+        """`probe_mask`: the attention mask as a tensor (or None = causal) for the entropy probe, when the attention
+        backend's own mask is not one (a flex `BlockMask`, a flash 2-D padding mask); defaults to `attention_mask`."""
         probing = self.collect_entropy and probe_rows is not None
+        probe_mask = attention_mask if probe_mask is None else probe_mask
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
-            probe=self._probe(0, probe_rows, attention_mask) if probing else None,
+            probe=self._probe(0, probe_rows, probe_mask) if probing else None,
             position_ids=position_ids,
             use_cache=use_cache,
             **kwargs,
@@ -320,14 +361,17 @@ class SGTDecoderLayer(Qwen3DecoderLayer):
             # Each loop re-reads the stream it updated; Q, K, V from the same input norm, same positions.
             normed = self.input_layernorm(hidden_states)
             slot = loop_slots[k - 1] if cache is not None else None
-            probe = self._probe(k, probe_rows, attention_mask) if probing else None
+            probe = self._probe(k, probe_rows, probe_mask) if probing else None
+            # position_ids reach the attention interface as in the first pass (flash-attention's packed sequences).
             if self.loop_masked:
                 delta = self.self_attn.loop_masked(normed, position_embeddings, attention_mask, self.head_gate,
-                                                   cache=cache, slot=slot, probe=probe, **kwargs)
+                                                   cache=cache, slot=slot, probe=probe, position_ids=position_ids,
+                                                   **kwargs)
             else:
                 gate = self.head_gate[self.loop_heads] if self.loop_gated else None
                 delta = self.self_attn.loop_sliced(normed, position_embeddings, attention_mask, self.loop_heads,
-                                                   gate=gate, cache=cache, slot=slot, probe=probe, **kwargs)
+                                                   gate=gate, cache=cache, slot=slot, probe=probe,
+                                                   position_ids=position_ids, **kwargs)
             hidden_states = hidden_states + delta
 
         residual = hidden_states
@@ -341,16 +385,67 @@ class SGTDecoderLayer(Qwen3DecoderLayer):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+# Attention backends SGT runs on. Every attention call of SGT (first pass, head loops, Block Loop repeats, with or
+# without cache) uses the plain causal mask of the call (+ padding, packed documents, sliding window), so any backend
+# that takes transformers' standard masks works; the loop cache slots always hold as many positions as the base cache.
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+# Backends whose mask is a tensor (or None = causal) that the entropy probe can read directly.
+_TENSOR_MASK_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def check_attn_implementation(impl) -> None:
+    """`ATTENTION_IMPLEMENTATIONS`, or a custom function registered with both `AttentionInterface` and
+    `AttentionMaskInterface` (e.g. hf_loops.analysis's recording functions); other flash kernels (untested) and paged
+    attention (its cache cannot hold the loop slots) are refused. None = transformers' default (sdpa)."""
+    if impl is None or impl in ATTENTION_IMPLEMENTATIONS:
+        return
+    custom = (not str(impl).startswith(("flash_attention", "paged")) and impl in ALL_ATTENTION_FUNCTIONS.valid_keys()
+              and impl in ALL_MASK_ATTENTION_FUNCTIONS)
+    if not custom:
+        raise ValueError(
+            f"SGT does not support attn_implementation={impl!r}; allowed values: "
+            f"{', '.join(repr(a) for a in ATTENTION_IMPLEMENTATIONS)}, or a custom function registered with both "
+            "AttentionInterface and AttentionMaskInterface (paged attention cannot hold the loop cache slots; other "
+            "flash kernels are not verified)"
+        )
+
+
+class _ConfigWithAttention:
+    """A read-only view of a config with another `_attn_implementation` (to build a mask of another backend's kind)."""
+
+    def __init__(self, config, attn_implementation: str):
+        self._config = config
+        self._attn_implementation = attn_implementation
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
 class SGTPreTrainedModel(PreTrainedModel):
+    """Base class of the SGT models.
+
+    Attention backends (`attn_implementation`): "sdpa" (default), "eager", "flex_attention" (a `BlockMask` built once
+    per forward call and shared by every layer, loop and cache slot; CPU and GPU) and "flash_attention_2": every SGT
+    attention call, loops included, uses the call's plain causal + padding mask (position_ids for packed sequences),
+    which is exactly what flash-attention takes. flash_attention_2 needs the `flash_attn` package and has not been run
+    here (no GPU); flash_attention_3/4 and paged attention raise a `ValueError` at load / `set_attn_implementation`
+    (see `check_attn_implementation`). The entropy probe of the growth phase builds its own tensor mask when the
+    backend's mask is not one.
+    """
+
     config: SGTConfig
     config_class = SGTConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SGTDecoderLayer"]
-    _supports_flash_attn = False  # loop slots need explicit masks; sdpa / eager only
+    _supports_flash_attn = True
     _supports_sdpa = True
-    _supports_flex_attn = False
+    _supports_flex_attn = True
     _supports_attention_backend = True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
+        check_attn_implementation(attn_implementation)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check=is_init_check, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -436,41 +531,31 @@ class SGTModel(SGTPreTrainedModel):
         if cache is not None:
             ensure_cache_slots(cache, num_slots)
 
-        batch, length = inputs_embeds.shape[:2]
+        length = inputs_embeds.shape[1]
         mask2d = plain_attention_mask(attention_mask)
         mask2d = mask2d if isinstance(mask2d, torch.Tensor) and mask2d.dim() == 2 else None
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = positions_from_mask(mask2d, past, length, inputs_embeds.device)
 
-        if isinstance(attention_mask, dict):
-            mask_mapping = attention_mask
-        else:
-            mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
-                           "cache": cache, "position_ids": position_ids}
-            mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
-            if self.has_sliding_layers:
-                mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-
-        probe_rows = None
-        if self.training and any(layer.collect_entropy for layer in self.layers):
-            probe_rows = probe_rows_from_mask(mask2d, batch, length, self.config.entropy_estimator,
-                                              self.config.entropy_sample_rows, inputs_embeds.device)
-
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         collect = LayerCollector.requested(self.config, output_hidden_states, output_attentions)
-        for i, layer in enumerate(self.layers):
-            if collect is not None:
-                collect.hidden.append(hidden_states)
-                if collect.attentions is not None:
-                    with collect.attention_weights_of(layer, first_call_only=True):
-                        hidden_states = self._layer_call(layer, i, hidden_states, mask_mapping, slots, cache,
-                                                         position_ids, use_cache, position_embeddings, probe_rows,
-                                                         **kwargs)
-                    continue
-            hidden_states = self._layer_call(layer, i, hidden_states, mask_mapping, slots, cache, position_ids,
-                                             use_cache, position_embeddings, probe_rows, **kwargs)
+        with flex_cpu_guard(self.config, inputs_embeds.device):  # CPU flex: static-shape kernels (see loop_utils)
+            mask_mapping, probe_rows, probe_masks = self._call_masks(attention_mask, mask2d, inputs_embeds, cache,
+                                                                     position_ids)
+            hidden_states = inputs_embeds
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+            for i, layer in enumerate(self.layers):
+                call = functools.partial(self._layer_call, layer, i, mask_mapping=mask_mapping, slots=slots,
+                                         cache=cache, position_ids=position_ids, use_cache=use_cache,
+                                         position_embeddings=position_embeddings, probe_rows=probe_rows,
+                                         probe_masks=probe_masks, **kwargs)
+                if collect is not None:
+                    collect.hidden.append(hidden_states)
+                    if collect.attentions is not None:
+                        with collect.attention_weights_of(layer, first_call_only=True):
+                            hidden_states = call(hidden_states)
+                        continue
+                hidden_states = call(hidden_states)
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, cache=cache if use_cache else None,
@@ -478,10 +563,41 @@ class SGTModel(SGTPreTrainedModel):
             attentions=tuple(collect.attentions) if collect is not None and collect.attentions is not None else None,
         )
 
-    def _layer_call(self, layer, i, hidden_states, mask_mapping, slots, cache, position_ids, use_cache,
-                    position_embeddings, probe_rows, **kwargs):
+    def _call_masks(self, attention_mask, mask2d, inputs_embeds, cache, position_ids):
+        """The masks of one forward call: (per-layer-type mapping, entropy-probe rows or None, per-layer-type probe
+        masks or None). The probe gets a tensor mask of its own when the backend's is not one (flex, flash)."""
+        probe_rows = probe_masks = None
+        if self.training and any(layer.collect_entropy for layer in self.layers):
+            batch, length = inputs_embeds.shape[:2]
+            probe_rows = probe_rows_from_mask(mask2d, batch, length, self.config.entropy_estimator,
+                                              self.config.entropy_sample_rows, inputs_embeds.device)
+            if self.config._attn_implementation not in _TENSOR_MASK_IMPLEMENTATIONS:
+                plain = plain_attention_mask(attention_mask)  # a 2-D or 4-D tensor; a pre-built BlockMask → causal
+                probe_masks = self._mask_mapping(_ConfigWithAttention(self.config, "sdpa"),
+                                                 plain if isinstance(plain, torch.Tensor) else None, inputs_embeds,
+                                                 cache, position_ids)
+        if isinstance(attention_mask, dict):
+            mask_mapping = attention_mask
+        else:
+            mask_mapping = self._mask_mapping(self.config, attention_mask, inputs_embeds, cache, position_ids)
+        return mask_mapping, probe_rows, probe_masks
+
+    def _mask_mapping(self, config, attention_mask, inputs_embeds, cache, position_ids) -> dict:
+        """The attention mask of each layer type, in `config._attn_implementation`'s form (4-D tensor, None = causal,
+        flex `BlockMask`, flash 2-D padding mask). Built once per forward call and shared by every layer, head loop,
+        Block Loop repeat and cache slot: each slot holds as many positions as the base cache."""
+        kwargs = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask, "cache": cache,
+                  "position_ids": position_ids}
+        mapping = {"full_attention": create_causal_mask(**kwargs)}
+        if self.has_sliding_layers:
+            mapping["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return mapping
+
+    def _layer_call(self, layer, i, hidden_states, *, mask_mapping, slots, cache, position_ids, use_cache,
+                    position_embeddings, probe_rows=None, probe_masks=None, **kwargs):
         """One decoder layer with its loops (head loops inside the layer, or the Block Loop repeats)."""
-        common = dict(attention_mask=mask_mapping[self.config.layer_types[i]], position_ids=position_ids,
+        layer_type = self.config.layer_types[i]
+        common = dict(attention_mask=mask_mapping[layer_type], position_ids=position_ids,
                       use_cache=use_cache, position_embeddings=position_embeddings)
         if self.config.loop_mode == "block":
             # Block Loop baseline: the whole block applied 1 + block_loop_depth times, one cache slot per repeat.
@@ -490,8 +606,9 @@ class SGTModel(SGTPreTrainedModel):
                 view = LoopCacheView(cache, slot - i) if cache is not None else None
                 hidden_states = layer(hidden_states, cache=view, **common, **kwargs)
         else:
+            probe_mask = probe_masks[layer_type] if probe_masks is not None else None
             hidden_states = layer(hidden_states, cache=cache, loop_slots=slots[i], probe_rows=probe_rows,
-                                  **common, **kwargs)
+                                  probe_mask=probe_mask, **common, **kwargs)
         return hidden_states
 
 
