@@ -21,4 +21,9 @@ assert torch.cuda.is_available(), "no CUDA device visible to torch"
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
 EOF
 
+# Every attention backend against eager first (bench/gpu_check.py; writes bench/results/cuda-attention*.json):
+# float32 must match to 1e-4, bfloat16 to 3e-2 on log-probs; a mismatch is reported and the benchmark still runs.
+"$PY" -m bench.gpu_check --device cuda --dtype float32 || echo "attention check (float32) reported mismatches"
+"$PY" -m bench.gpu_check --device cuda --dtype bfloat16 || echo "attention check reported mismatches"
+
 "$PY" -m bench all --device cuda --dtype bfloat16 "$@"
