@@ -155,9 +155,8 @@ class TaH2Decider(nn.Module):
 
     def topk_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """k largest next-token probabilities (descending), zero-padded when the vocabulary is smaller than k."""
-        z = logits.float()
-        k = min(self.topk, z.shape[-1])
-        top = torch.exp(z.topk(k, dim=-1).values - torch.logsumexp(z, dim=-1, keepdim=True))
+        k = min(self.topk, logits.shape[-1])
+        top = topk_probs(logits, k)  # exp(topk(z) − logsumexp(z)) in fp32, without (N, V) temporaries
         if k < self.topk:
             top = F.pad(top, (0, self.topk - k))
         return top
@@ -392,10 +391,98 @@ class StoppingWeightedMixture:
         return self._normalise(self.log_target, depth)
 
 
+def _vocab_block_rows(num_rows: int, vocab: int, device: torch.device) -> int:
+    """Rows per block of the vocabulary-wide work of `target_log_prob` / `topk_probs` on CPU (~8 MiB of fp32 per block): a block stays
+    in cache and below malloc's mmap threshold, where one (N, V) temporary costs more in fresh pages than in
+    arithmetic. Other devices take all rows at once."""
+    if device.type != "cpu":
+        return max(num_rows, 1)
+    return max(32, (1 << 21) // max(vocab, 1))
+
+
+def _row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """(N,) fp32 logsumexp of every row, block by block (see `_vocab_block_rows`)."""
+    n, vocab = logits.shape
+    step = _vocab_block_rows(n, vocab, logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for s in range(0, n, step):
+        torch.logsumexp(logits[s:s + step].float(), -1, out=lse[s:s + step])
+    return lse
+
+
+def _softmax_scaled_grad(logits, lse, scale, index, src) -> torch.Tensor:
+    """−scale · softmax(z) + scatter_add(index, src): the gradient of Σ g·log-probability-type terms, written block by
+    block into one buffer of the logits' dtype."""
+    n, vocab = logits.shape
+    step = _vocab_block_rows(n, vocab, logits.device)
+    grad = torch.empty_like(logits)
+    in_place = logits.dtype == torch.float32
+    for s in range(0, n, step):
+        e = slice(s, s + step)
+        block = torch.sub(logits[e].float(), lse[e, None], out=grad[e] if in_place else None)
+        block.exp_().mul_(-scale[e, None]).scatter_add_(-1, index[e], src[e])
+        if not in_place:
+            grad[e].copy_(block)
+    return grad
+
+
+class _TargetLogProb(torch.autograd.Function):
+    """log softmax(z)[y] = z_y − logsumexp(z) in fp32. Saves z and the per-row logsumexp; the backward writes
+    −g · softmax(z) + g · onehot(y) straight into one gradient buffer, block by block (autograd's own graph of
+    gather + logsumexp allocates and sweeps several (N, V) temporaries)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        lse = _row_logsumexp(logits)
+        ctx.save_for_backward(logits, targets, lse)
+        return logits.gather(-1, targets[:, None]).squeeze(-1).float() - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        g = grad_out.float()
+        return _softmax_scaled_grad(logits, lse, g, targets[:, None], g[:, None]), None
+
+
+class _TopKProbs(torch.autograd.Function):
+    """The k largest softmax probabilities exp(z_top − logsumexp(z)) (fp32), with one fused backward:
+    ∂/∂z of Σ_k g_k p_k = scatter(top, g·p) − softmax(z) · Σ_k g_k p_k."""
+
+    @staticmethod
+    def forward(ctx, logits, k):
+        lse = _row_logsumexp(logits)
+        values, index = logits.topk(k, dim=-1)
+        probs = torch.exp(values.float() - lse[:, None])
+        ctx.save_for_backward(logits, index, probs, lse)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, index, probs, lse = ctx.saved_tensors
+        weighted = grad_out.float() * probs
+        return _softmax_scaled_grad(logits, lse, weighted.sum(-1), index, weighted), None
+
+
+def topk_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, k) fp32: the k largest next-token probabilities of each row, descending (k ≤ V); equal to
+    `exp(z.float().topk(k).values − logsumexp(z.float()))`, gradient included, without (N, V) temporaries."""
+    return _TopKProbs.apply(logits, k)
+
+
 def target_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(z)[y] in fp32, without materialising the log-softmax."""
-    z = logits.float()
-    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+    """log softmax(z)[y] in fp32, without materialising the log-softmax (equal to
+    `z.float().gather(-1, y) − logsumexp(z.float())`, gradient included)."""
+    return _TargetLogProb.apply(logits, targets)
+
+
+def head_target_log_prob(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`target_log_prob(head(hidden), targets)` for gradient-free passes (the lookahead), the head applied to blocks of
+    512 rows on CPU (enough rows for an efficient matmul) so that no (N, V) logits tensor is materialised."""
+    n = hidden.shape[0]
+    step = n if hidden.device.type != "cpu" else 512
+    if step >= n:
+        return target_log_prob(head(hidden), targets)
+    return torch.cat([target_log_prob(head(hidden[s:s + step]), targets[s:s + step]) for s in range(0, n, step)])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1129,31 +1216,45 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         really continued (`duo_posterior`), and its own lookahead state — never another token's lookahead state.
 
         Returns, per boundary m, log q(m+1)[y_t] as a (B, T) fp32 tensor (0 where the token did not execute depth m).
+
+        Under `duo` attention a continuing token's lookahead state *is* its main depth-(m+1) state (same input
+        U(e, h(m)), same visible keys: streams 0..m−1, the continuing tokens' depth-(m+1) states and its own), so only
+        the tokens that stopped at m run: their queries read the continuing tokens' depth-(m+1) K/V from the main
+        forward's stream m (`duo_posterior` at stream m+1: every key of streams 0..m up to the query's position, plus
+        its own lookahead state), and the continuing tokens take ℓ(m+1) of the main forward. Same values as re-running
+        all N_m tokens (up to float rounding) for N_m − N_{m+1} tokens' work. Other modes (`same_iter`, where the main
+        depth m+1 sees other keys) re-run every token that executed depth m.
         """
         B, T, _ = records.embeds.shape
         device = records.embeds.device
         token_index = torch.arange(T, device=device).expand(B, T)
         safe_targets = records.targets.clamp(min=0)
         synchronise = records.synchronised
+        reuse_main = self.config.iteration_attention == "duo"
         out = []
         for m in range(1, min(len(records.executed), records.max_iterations - 1) + 1):
             active = records.executed[m - 1]
-            pack = _Packing.of(active)
+            ran_next = m < len(records.executed)  # the main forward ran depth m+1 (stream m exists, maybe empty)
+            continued = records.executed[m] if ran_next else torch.zeros_like(active)
+            reuse = reuse_main and ran_next
+            queries = active & ~continued if reuse else active
+            base = records.token_logprob[m].clone() if reuse else torch.zeros(B, T, device=device)
+            pack = _Packing.of(queries)
             if not _any_on_any_rank(pack is not None, synchronise):
-                out.append(torch.zeros(B, T, device=device))
+                out.append(base)
                 continue
             pack = pack or _Packing.placeholder(B, device)
-            continued = records.executed[m] if m < len(records.executed) else torch.zeros_like(active)
             fb, ft, sel = pack.flat_tokens()
             e, h = records.embeds[fb, ft], records.hidden[m - 1][fb, ft]
             z_prev = self.lm_head(h) if self.config.updater == "topk_embedding" else None
             x = torch.zeros_like(records.embeds).index_put((fb, ft), self._next_input(e, h, z_prev).to(e.dtype))
             look = CallStreams(None, self.config.num_hidden_layers, persist_deeper=True)
-            look.share_streams(records.streams, list(range(m)))
-            h_look = self._run_depth(look, m, x, pack, records.position_ids, token_index, records.seq_ids,
-                                     "duo_posterior", key_continue=continued)
-            logp = target_log_prob(self.lm_head(h_look[sel]), safe_targets[fb, ft])
-            out.append(torch.zeros(B, T, device=device).index_put((fb, ft), logp))
+            shared = list(range(m + 1)) if reuse else list(range(m))
+            look.share_streams(records.streams, shared)
+            h_look = self._run_depth(look, len(shared), x, pack, records.position_ids, token_index, records.seq_ids,
+                                     "duo_posterior", key_continue=torch.zeros_like(active) if reuse else continued)
+            logp = head_target_log_prob(self.lm_head, h_look[sel], safe_targets[fb, ft])
+            out.append(base.index_put((fb, ft), logp))
         return out
 
 
