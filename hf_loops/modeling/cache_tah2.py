@@ -530,7 +530,11 @@ class StreamView:
         for s in self.key_streams:
             if not (s == self.stream or self.streams.has(s)):
                 continue
-            if self.streams.ragged(s):
+            if self.streams.ragged(s) and self.batch_size == 1:  # one row: the flat entries are its keys, in order
+                flat = self.streams.store(s).kv_layer(s, layer_idx)
+                keys.append(flat.keys if flat.keys is not None else key_states[:, :, :0])
+                values.append(flat.values if flat.values is not None else value_states[:, :, :0])
+            elif self.streams.ragged(s):
                 flat = self.streams.store(s).kv_layer(s, layer_idx)
                 gather = self.streams.layout(s).rows(self.rows)
                 keys.append(RaggedLayout.read(flat.keys, gather, key_states))
