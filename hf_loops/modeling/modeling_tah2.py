@@ -1107,6 +1107,18 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             rows_per_depth=(B * T,) * M,
         )
 
+    def _loss(self, run: _LoopSetup, labels, logits, mixture, iter_counts, kwargs):
+        """Standard (M = 1): HF's loss on the raw logits; otherwise the mixture NLL. In training, plus the zero-weight
+        anchor over the updater/decider parameters (`_unused_parameter_anchor`)."""
+        if labels is None:
+            return None
+        if run.max_iterations == 1:
+            loss = self.loss_function(logits=logits, labels=None, shift_labels=run.targets,
+                                      vocab_size=self.config.vocab_size, **kwargs)
+        else:
+            loss = self._mixture_nll(mixture, run.targets, iter_counts, kwargs.get("num_items_in_batch"))
+        return loss + self._unused_parameter_anchor() if self.training else loss
+
     def _mixture_nll(self, mixture: StoppingWeightedMixture, targets, iter_counts, num_items_in_batch):
         """(1/N) Σ_t −log q_t[y_t] over supervised tokens; N = `num_items_in_batch` (the Trainer's global count)."""
         device = iter_counts.device
@@ -1146,7 +1158,6 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             so M = 1 matches Qwen3) and `iteration_hidden_states` = h(m) of every depth.
         output_attentions (`bool`): `attentions` = the depth-1 pass's per-layer weights (eager attention only; every
             depth's attention, with its cross-iteration keys, comes from `hf_loops.analysis.capture_trace`).
-
         `logits` are the mixture's log-probabilities (Qwen3's raw logits when M = 1).
         """
         run = self._setup_loop(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
@@ -1183,21 +1194,11 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         run.streams.commit(iter_counts)
 
         logits = raw_logits if M == 1 else mixture.log_probs(iter_counts[:, run.keep])
-        loss = None
-        if labels is not None:
-            if M == 1:
-                loss = self.loss_function(logits=logits, labels=None, shift_labels=run.targets,
-                                          vocab_size=self.config.vocab_size, **kwargs)
-            else:
-                loss = self._mixture_nll(mixture, run.targets, iter_counts, kwargs.get("num_items_in_batch"))
-            if self.training:
-                loss = loss + self._unused_parameter_anchor()
-        records = None
-        if recorder is not None:
-            records = recorder.records(targets=run.targets, position_ids=run.position_ids, seq_ids=run.seq_ids,
-                                       streams=run.streams, max_iterations=M, synchronised=run.synchronise)
+        records = None if recorder is None else recorder.records(
+            targets=run.targets, position_ids=run.position_ids, seq_ids=run.seq_ids, streams=run.streams,
+            max_iterations=M, synchronised=run.synchronise)
         return TaH2CausalLMOutput(
-            loss=loss,
+            loss=self._loss(run, labels, logits, mixture, iter_counts, kwargs),
             logits=logits,
             cache=run.cache if run.use_cache else None,
             iter_counts=iter_counts,
