@@ -107,3 +107,15 @@ def test_flash_attention_runs_stream_zero_and_sdpa_runs_the_deeper_depths(monkey
     assert (a.logits - b.logits)[real].abs().max() <= 1e-5
     assert (step.logits[:, -1] - a.logits[:, 9]).abs().max() <= 1e-5
     assert calls[-1] == (1, 10)
+
+
+def test_flex_causality_a_later_token_never_changes_earlier_outputs(models):
+    _, flex = models["duo"]
+    ids, mask = _batch()
+    changed = ids.clone()
+    changed[:, 8] = (changed[:, 8] + 11) % 97
+    with torch.no_grad():
+        a, b = flex(ids, attention_mask=mask), flex(changed, attention_mask=mask)
+    assert torch.equal(a.iter_counts[:, :8], b.iter_counts[:, :8])
+    assert (a.logits[:, :8] - b.logits[:, :8])[mask[:, :8].bool()].abs().max() <= 1e-6
+    assert (a.logits[:, 8:] - b.logits[:, 8:]).abs().max() > 1e-3
