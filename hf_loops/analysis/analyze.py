@@ -643,6 +643,12 @@ def _fixed_points(model, encoded, t_fp, device, progress, result, findings, save
          "per-token classification of the last loop layer's trajectory: fixed point / orbit / slider / unknown")
     sep = sum(separation) / len(separation) if separation else float("nan")
     result["fixed_point"]["relative_separation"] = _tolist(sep)
+    findings["fixed_point"] = _fixed_point_verdict(t_fp, fractions, score, sep)
+
+
+def _fixed_point_verdict(t_fp: int, fractions: dict, score: float, sep: float) -> dict:
+    """Finding of the fixed-point run: converged (≥ 50% of tokens at a fixed point), then degenerate (score > 0.95)
+    or cyclic fixed points."""
     converged = fractions["fixed_point"] >= 0.5
     if not converged:
         verdict, cyclic = "no fixed point", "no (no fixed point)"
@@ -652,7 +658,7 @@ def _fixed_points(model, encoded, t_fp, device, progress, result, findings, save
         verdict, cyclic = "degenerate fixed point", "no"
     else:
         verdict, cyclic = "cyclic fixed points", "yes"
-    findings["fixed_point"] = {
+    return {
         "verdict": verdict, "cyclic_fixed_points": cyclic, "fixed_point_fraction": fractions["fixed_point"],
         "degenerate_score": _tolist(score), "relative_separation": _tolist(sep),
         "text": (f"After {t_fp} recurrences {fractions['fixed_point']:.1%} of tokens reach a fixed point "

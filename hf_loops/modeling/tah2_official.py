@@ -141,8 +141,14 @@ def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict,
     if method not in MIXTURES:
         raise ValueError(f"tah_config.json: weighted_hidden_method must be one of {list(MIXTURES)}, got {method!r}")
     kw.update(max_iterations=int(max_iter), iteration_attention=mode, mixture=MIXTURES[method])
+    dec_state = _decider_fields(kw, path, tah, d, allow_pickle)
+    upd_state = _updater_fields(kw, path, tah, d, allow_pickle)
+    return kw, dec_state, upd_state
 
-    # decider
+
+def _decider_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) -> dict:
+    """Set the decider's TaH2Config fields in `kw` from `iter_decider.bin` (or tah_config.json for weightless
+    deciders); return the decider's state dict."""
     dec_file = os.path.join(path, DECIDER_FILE)
     if os.path.isfile(dec_file) or _class_name(tah.get("iter_decider", "Qwen3MLPIterDecider")) not in (
         "AlwaysIterDecider", "TrivialIterDecider"
@@ -175,8 +181,12 @@ def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict,
         kw["decider_intermediate_size"] = int(gate.shape[0])
     elif dec_state:
         raise ValueError(f"{DECIDER_FILE}: a {dec_cls} has no weights, found {sorted(dec_state)[:5]}")
+    return dec_state
 
-    # updater
+
+def _updater_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) -> dict:
+    """Set the updater's TaH2Config fields in `kw` from `input_updater.bin` (or tah_config.json for the identity
+    updater); return the updater's state dict."""
     upd_file = os.path.join(path, UPDATER_FILE)
     if os.path.isfile(upd_file) or _class_name(tah.get("input_updater", "Qwen3MLPUpdater")) != "IdentityUpdater":
         upd = load_component(upd_file, allow_pickle)
@@ -203,7 +213,7 @@ def official_tah2_config_kwargs(path, allow_pickle: bool = False) -> tuple[dict,
         kw["updater_norm_out"] = _flag(upd_args, "enable_norm_out", upd_state, "norm_out.weight")
     elif upd_state:
         raise ValueError(f"{UPDATER_FILE}: a {upd_cls} has no weights, found {sorted(upd_state)[:5]}")
-    return kw, dec_state, upd_state
+    return upd_state
 
 
 def _load_part(module, state: dict, name: str) -> None:
