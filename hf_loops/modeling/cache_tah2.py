@@ -349,7 +349,6 @@ class CallStreams:
         self.new_meta: dict[int, dict] = {}  # stream -> this call's entries
         self.had_past: dict[int, bool] = {}  # set by `commit`: did the stream hold entries before this call?
         self.layouts: dict[int, RaggedLayout] = {}
-        self.shared_padded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def store(self, stream: int) -> TaH2Cache:
         if self.cache is not None and (stream == 0 or self.persist_deeper):
@@ -426,9 +425,6 @@ class CallStreams:
                 else:
                     self.scratch.layers[dst] = src.layers[src.kv_slot(s, 0) + offset]
             self.meta[s] = other.merged(s)
-
-    def past_metadata(self, stream: int) -> dict | None:
-        return self.store(stream).stream_metadata(stream)
 
     def key_metadata(self, streams: list[int], rows: torch.Tensor | None) -> dict:
         streams = [s for s in streams if self.has(s)]

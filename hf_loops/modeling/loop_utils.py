@@ -70,17 +70,23 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, neg)
 
 
-def flex_block_mask(allowed: torch.Tensor):
-    """bool (B, Tq, S) "may attend" → a flex_attention `BlockMask` (built once, then shared by every layer of a pass).
-    The mask function reads the tensor, so any cross-iteration pattern (what flash-attention cannot express) works."""
+def block_mask(mask_mod, batch: int | None, q_len: int, kv_len: int, device):
+    """A flex_attention `BlockMask` from `mask_mod(b, h, q, kv) -> bool` (True = may attend; batch None = the same for
+    every row), built once and then shared by every layer of a pass."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+
+def flex_block_mask(allowed: torch.Tensor):
+    """bool (B, Tq, S) "may attend" → a `BlockMask`. The mask function reads the tensor, so any cross-iteration
+    pattern (what flash-attention cannot express) works."""
     B, Tq, S = allowed.shape
 
     def mask_mod(b, h, q, kv):
         return allowed[b, q, kv]
 
-    return create_block_mask(mask_mod, B, None, Tq, S, device=allowed.device)
+    return block_mask(mask_mod, B, Tq, S, allowed.device)
 
 
 def flex_cpu_guard(config, device: torch.device):

@@ -53,6 +53,7 @@ from .loop_utils import (
     LayerCollector,
     LoopCacheView,
     additive_mask,
+    block_mask,
     ensure_cache_slots,
     plain_attention_mask,
     positions_from_mask,
@@ -324,9 +325,7 @@ def build_mask(impl: str, mask_mod, batch: int | None, q_len: int, kv_len: int, 
     the same for every row) becomes a flex `BlockMask`, or is evaluated on broadcast index grids into a float
     additive mask (0 / finfo.min) for eager and sdpa."""
     if impl == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+        return block_mask(mask_mod, batch, q_len, kv_len, device)
 
     def grid(n, dim):
         return torch.arange(n, device=device).view([-1 if i == dim else 1 for i in range(4)])

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from sync_helpers import spy_syncs
 from test_spiralformer import VOCAB, make_config, make_model
 from transformers import DynamicCache
 
@@ -219,17 +220,7 @@ def test_decode_step_makes_one_host_sync(monkeypatch, impl):
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache, use_cache=True)
     syncs = []
-
-    def spy(name, original):
-        def wrapper(self, *args, **kwargs):
-            if name != "__getitem__" or _bool_index(args[0]):
-                syncs.append(name)
-            return original(self, *args, **kwargs)
-        return wrapper
-
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
-                 "__getitem__"):
-        monkeypatch.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+    spy_syncs(monkeypatch, syncs.append)
     step_ids = torch.randint(2, VOCAB, (3, 1))
     step_mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
     with torch.no_grad():
@@ -238,11 +229,6 @@ def test_decode_step_makes_one_host_sync(monkeypatch, impl):
             step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
     monkeypatch.undo()
     assert syncs == ["tolist"] * 3, syncs
-
-
-def _bool_index(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from sync_helpers import spy_syncs
 from tah2_helpers import pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
 
 from hf_loops.modeling.cache_tah2 import TaH2Cache
@@ -144,37 +145,19 @@ def test_select_rows_and_crop_keep_each_rows_entries():
     assert cache.layers[cache.kv_slot(1, 0)].keys.shape[2] == int(cropped["valid"].sum())
 
 
-def _bool_index(index):
-    items = index if isinstance(index, tuple) else (index,)
-    return any(torch.is_tensor(i) and i.dtype == torch.bool for i in items)
-
-
 @pytest.mark.parametrize("M", [2, 3])
 def test_decode_step_reads_the_device_once_per_depth_boundary(monkeypatch, M):
     """Python-visible host syncs (item, tolist, bool(), int(), nonzero, boolean indexing, ...) made by hf_loops code
     in a decode step: exactly one `tolist` of the continue decisions per depth boundary that runs (HF's own mask
     builder, shared with Standard, is not counted)."""
-    import traceback
-
     model = script_decider(tiny_tah2(max_iterations=M), pattern_by_hidden)
     ids, mask = _left_padded([9, 6, 11, 11], seed=5)
     with torch.no_grad():
         cache = model(ids, attention_mask=mask, use_cache=True).cache
     syncs = []
-
-    def spy(name, original):
-        def wrapper(self, *args, **kwargs):
-            caller = traceback.extract_stack(limit=2)[0].filename
-            if "hf_loops" in caller and (name != "__getitem__" or _bool_index(args[0])):
-                syncs[-1].append(name)
-            return original(self, *args, **kwargs)
-        return wrapper
-
     step_ids = torch.randint(3, 97, (4, 6), generator=torch.Generator().manual_seed(6))
     depths = []
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
-                 "__getitem__"):
-        monkeypatch.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+    spy_syncs(monkeypatch, lambda name: syncs[-1].append(name), only_from="hf_loops")
     with torch.no_grad():
         for t in range(6):
             syncs.append([])
