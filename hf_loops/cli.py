@@ -7,6 +7,10 @@ import json
 import os
 import sys
 
+from .core.errors import one_line as _one_line  # noqa: F401  (kept: tests and callers import it from here)
+from .core.errors import run_command
+from .core.outdir import check_output_dir, output_lock
+
 
 def _parse_value(text: str):
     try:
@@ -32,24 +36,32 @@ def cmd_demo(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    out = os.fspath(args.out)
+    check_output_dir(out, "--out")  # a file, a non-empty or unwritable --out is refused before any work
+    with output_lock(out, "--out"):  # a second convert into the same --out is refused while this one runs
+        return _convert_into(args, out)
+
+
+def _convert_into(args, out: str) -> int:
     import torch
 
     from .conversion import convert_qwen3, export
     from .conversion.checks import check_config_json
-    from .conversion.export import check_output_dir
     from .conversion.hub import push_folder, resolve_source_dir
     from .conversion.qwen3_source import load_qwen3_source, load_source_tokenizer
     from .conversion.report import conversion_report, format_report
+    from .core.loading import check_tokenizer_fits
 
-    out = os.fspath(args.out)
-    check_output_dir(out, "--out")  # a file, a non-empty or unwritable --out is refused before any work
     overrides = _parse_sets(args.set)
     if args.layer_map is not None:
         overrides["layer_map"] = _parse_value(args.layer_map)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     source_dir = resolve_source_dir(args.source)  # a Hub id is downloaded once, here
-    check_config_json(source_dir)  # a broken config.json is named before anything reads it
+    source_config = check_config_json(source_dir)  # a broken config.json is named before anything reads it
     tokenizer = load_source_tokenizer(source_dir, args.tokenizer)
+    vocab = source_config.get("vocab_size")
+    if tokenizer is not None and isinstance(vocab, int):
+        check_tokenizer_fits(tokenizer, vocab, f"--tokenizer {args.tokenizer!r}" if args.tokenizer else "tokenizer")
     model = convert_qwen3(source_dir, args.arch, dtype=dtype, tokenizer=tokenizer, calibration=args.calibration,
                           allow_pickle=args.allow_pickle, seed=args.seed, **overrides)
     report = None
@@ -80,9 +92,9 @@ def cmd_convert(args) -> int:
 
 def cmd_generate(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .conversion.checks import check_config_json, check_safetensors_files, load_tokenizer
+    from .core.loading import check_tokenizer_fits, load_causal_lm
     from .inference import check_loop_knobs, generate_with_depths
 
     if not args.prompt.strip():
@@ -95,11 +107,8 @@ def cmd_generate(args) -> int:
     elif os.path.exists(args.model):
         raise ValueError(f"model {args.model!r} is a file; expected a checkpoint directory or a Hub repository id")
     tok = load_tokenizer(args.tokenizer or args.model, "--tokenizer" if args.tokenizer else "model")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    except (OSError, ValueError) as err:
-        detail = " ".join(str(err).split())[:300]
-        raise ValueError(f"model {args.model!r} cannot be loaded: {detail}") from err
+    model = load_causal_lm(args.model, torch.float32, "model")  # a checkpoint lacking weights is refused
+    check_tokenizer_fits(tok, model.config.vocab_size, "--tokenizer" if args.tokenizer else "the model's tokenizer")
     # Explicit values (0 included) are validated, not dropped; None = the checkpoint's own setting.
     kw = {k: v for k, v in (("max_iterations", args.max_iterations), ("exit_threshold", args.exit_threshold))
           if v is not None}
@@ -107,6 +116,10 @@ def cmd_generate(args) -> int:
     ids = tok(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise ValueError(f"--prompt {args.prompt!r} encodes to 0 tokens: give some text to continue")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and ids.shape[1] + args.max_new_tokens > limit:
+        raise ValueError(f"--prompt ({ids.shape[1]} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed the "
+                         f"model's max_position_embeddings ({limit})")
     trace = generate_with_depths(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id, **kw)
     if args.show_depth and trace.depths is not None:
         for t, d in zip(trace.tokens, trace.depths):
@@ -204,29 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return pretrain_cli(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
-    # Commands with a --debug option (convert, generate) report every failure in one line; the others, ValueError.
-    one_line = hasattr(args, "debug")
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as err:  # bad input: one line, exit code 2
-        if getattr(args, "debug", False) or not (one_line or isinstance(err, ValueError)):
-            raise
-        print(f"\nerror: {_one_line(err)}", file=sys.stderr)
-        return 2
-    except Exception as err:  # noqa: BLE001 - anything else: the last line of the failure, exit code 1
-        if getattr(args, "debug", False) or not one_line:
-            raise
-        print(f"\n{type(err).__name__}: {_one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 1
-
-
-def _one_line(err: BaseException) -> str:
-    """The message of `err` on one line (an OSError without a message of its own shows its errno text and path)."""
-    text = str(err)
-    if isinstance(err, OSError) and err.strerror:  # "[Errno 13] ..." → the message (and the path it names)
-        text = err.strerror if err.filename is None else f"{err.filename}: {err.strerror}"
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return " ".join(lines) if len(lines) <= 3 else lines[-1]
+    return run_command(args.func, args, debug=getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,13 @@ import shutil
 import sys
 import time
 
+from .core.errors import run_command
+from .core.numbers import check_float, check_int, or_default
+from .core.outdir import check_output_dir
 from .evaluation import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     TRAIN_SUMMARY,
-    check_output_dir,
     comparison_rows,
     console_table,
     depth_rows,
@@ -293,7 +295,11 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
              progress: bool = True, command: str = "hf-loops demo") -> dict:
     """The whole pipeline; returns {"results", "summaries", "table", "out", "seconds"}."""
     t_start = time.perf_counter()
-    check_output_dir(out, overwrite)
+    check_output_dir(out, "--out", overwrite=overwrite, hint=" (pass --overwrite to replace it)")
+    # every number is checked before the first training starts (not after both, inside evaluate)
+    check_int("--max-new-tokens", max_new_tokens, 1)
+    check_int("--batch-size", batch_size, 1)
+    check_int("--heldout", heldout, 1)
     default_base, default_data, default_heldout = _default_data()
     heldout_rows = default_heldout if dataset is None else None
     base = base or default_base
@@ -307,11 +313,9 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
                          "installed?)")
     settings = {**DEMO_TRAINING, **({} if progress else {"disable_tqdm": True}), **(training or {})}
     if steps is not None:
-        if steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {steps}")
-        settings["max_steps"] = steps
-    if max_iterations < 2:
-        raise ValueError(f"--max-iterations must be >= 2 for the TaH2 run, got {max_iterations}")
+        settings["max_steps"] = check_int("--steps", steps, 1)
+    if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 2:
+        raise ValueError(f"--max-iterations must be an integer >= 2 for the TaH2 run, got {max_iterations!r}")
 
     rows = _dataset_rows(dataset, split)
     train_rows, held_rows = split_rows(rows, heldout, heldout_rows)
@@ -430,14 +434,17 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_demo(args, argv: list[str] | None = None) -> int:
     if args.random:
-        random_walkthrough(args.prompt, args.max_new_tokens or 16, args.max_iterations or 3, args.exit_threshold,
+        # None means "not given"; an explicit 0 is checked (and refused), never replaced by the default
+        random_walkthrough(args.prompt, check_int("--max-new-tokens", or_default(args.max_new_tokens, 16), 1),
+                           check_int("--max-iterations", or_default(args.max_iterations, 3), 1),
+                           check_float("--exit-threshold", args.exit_threshold, 0, 1, low_open=True, high_open=True),
                            args.tokenizer, args.seed)
         return 0
     set_threads(args.threads)
     command = "hf-loops demo" + ("" if not argv else " " + shlex.join(argv))
     result = run_demo(base=args.base, dataset=args.dataset, out=args.out, overwrite=args.overwrite, split=args.split,
-                      heldout=args.heldout, steps=args.steps, max_iterations=args.max_iterations or 2,
-                      max_new_tokens=args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, batch_size=args.batch_size,
+                      heldout=args.heldout, steps=args.steps, max_iterations=or_default(args.max_iterations, 2),
+                      max_new_tokens=or_default(args.max_new_tokens, DEFAULT_MAX_NEW_TOKENS), batch_size=args.batch_size,
                       seed=args.seed, progress=not args.no_progress, command=command)
     tah = result["results"][1]
     if tah["metrics"].get("mean_depth") is not None and sys.stdout.isatty():
@@ -458,13 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_demo_arguments(p)
     args = p.parse_args(argv)
-    try:
-        return cmd_demo(args, argv)
-    except ValueError as err:
-        if args.debug:
-            raise
-        print(f"\nerror: {err}", file=sys.stderr)
-        return 2
+    return run_command(cmd_demo, args, argv, debug=args.debug)
 
 
 __all__ = ["DEMO_TRAINING", "add_demo_arguments", "cmd_demo", "random_walkthrough", "run_demo", "split_rows"]

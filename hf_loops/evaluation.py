@@ -26,12 +26,15 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from .core.errors import run_command
+from .core.numbers import check_float, check_int
+from .core.outdir import atomic_output_dir, check_output_dir
+from .core.readers import read_jsonl as read_rows
 
 # Written into a checkpoint directory by `hf-loops demo` (training time, loss history); `eval` reports it if present.
 TRAIN_SUMMARY = "train_summary.json"
@@ -66,7 +69,19 @@ def parse_split(split: str | None) -> tuple[str, int | None, int | None]:
     return name, int(a) if a else None, int(b) if b else None
 
 
+def _text_field(row: dict, key: str, where: str) -> str:
+    """A string field of a row: null, a number or a list is refused (never scored as the text "None")."""
+    value = row[key]
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(f"{where}: field {key!r} is {kind}; expected a string")
+    return value
+
+
 def _row_to_example(row: dict, where: str) -> EvalExample:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object with 'question'+'answer', 'prompt'+'completion' or "
+                         f"'messages', got {type(row).__name__}")
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
@@ -77,35 +92,17 @@ def _row_to_example(row: dict, where: str) -> EvalExample:
         ref = comp if isinstance(comp, str) else str(comp[-1].get("content", "")) if comp else ""
         return EvalExample(row["prompt"], comp, ref)
     if "question" in row and "answer" in row:
-        return EvalExample([{"role": "user", "content": str(row["question"])}],
-                           [{"role": "assistant", "content": str(row["answer"])}], str(row["answer"]))
+        question, answer = _text_field(row, "question", where), _text_field(row, "answer", where)
+        return EvalExample([{"role": "user", "content": question}], [{"role": "assistant", "content": answer}],
+                           answer)
     raise ValueError(f"{where}: expected the fields 'question'+'answer', 'prompt'+'completion' or 'messages', "
                      f"got {sorted(row)}")
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Rows of a .jsonl (or a .json list) file; a malformed line is reported with its number."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: not valid JSON ({err})") from None
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: expected a JSON list of objects")
-            return data
-        rows = []
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {n}: expected a JSON object")
-            rows.append(row)
-        return rows
+    """Rows of a .jsonl (or a .json list) file; bad bytes, invalid JSON or a row that is not an object are reported
+    with the file and line (`hf_loops.core.readers`)."""
+    return read_rows(path, "--dataset")[0]
 
 
 def looks_like_path(spec: str) -> bool:
@@ -118,8 +115,9 @@ def load_examples(spec: str, split: str | None = None) -> list[EvalExample]:
     name, start, stop = parse_split(split)
     if looks_like_path(spec) and not os.path.exists(spec):
         raise ValueError(f"--dataset {spec!r}: no such file")
-    if os.path.isfile(spec):
-        rows, where = read_jsonl(spec), spec
+    if os.path.isfile(spec) or os.path.islink(spec):  # a symlink loop is the file's problem, not the Hub's
+        rows, lines = read_rows(spec, "--dataset")
+        where = (lambda i: f"{spec}:{lines[i]}") if lines else (lambda i: f"{spec}, item {i + 1}")
     else:
         try:
             from datasets import load_dataset
@@ -128,8 +126,8 @@ def load_examples(spec: str, split: str | None = None) -> list[EvalExample]:
         except Exception as err:  # datasets raises many connection/offline/missing error types
             raise ValueError(f"--dataset {spec!r} is neither a local file nor a loadable Hub dataset "
                              f"({type(err).__name__}: {err})") from None
-        where = f"{spec}[{name}]"
-    examples = [_row_to_example(r, f"{where}, row {i + 1}") for i, r in enumerate(rows)]
+        where = lambda i: f"{spec}[{name}], row {i + 1}"  # noqa: E731
+    examples = [_row_to_example(r, where(i)) for i, r in enumerate(rows)]
     examples = examples[start:stop]
     if not examples:
         raise ValueError(f"--dataset {spec!r} (split {split or name!r}) has no examples")
@@ -224,23 +222,30 @@ def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> 
 
 
 # ----------------------------------------------------------------------------------------------------- models
-def load_model(path: str, dtype=None):
-    """(model, tokenizer) from a local directory or Hub id; hf_loops' architectures are registered on import."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_loops  # noqa: F401  (registers the architectures)
-
+def check_checkpoint_path(path: str) -> None:
+    """A checkpoint argument is a directory or a Hub id: a file, or a local-looking path that does not exist, is
+    refused before anything is loaded."""
     if not os.path.isdir(path) and os.path.exists(path):
         raise ValueError(f"checkpoint {path!r} is a file; expected a model directory or a Hub id")
     if looks_like_path(path) and not os.path.exists(path):
         raise ValueError(f"checkpoint {path!r}: no such directory")
+
+
+def load_model(path: str, dtype=None):
+    """(model, tokenizer) from a local directory or Hub id; hf_loops' architectures are registered on import."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .core.loading import check_tokenizer_fits, load_causal_lm
+
+    check_checkpoint_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load checkpoint {path!r}: {str(err).splitlines()[0]}") from None
-    return model.eval(), tokenizer
+    model = load_causal_lm(path, dtype or torch.float32)  # refuses a checkpoint that lacks weights, naming them
+    check_tokenizer_fits(tokenizer, model.config.vocab_size, f"the tokenizer of {path!r}")
+    return model, tokenizer
 
 
 def run_name(model) -> str:
@@ -406,8 +411,10 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
         if dataset is None:
             raise ValueError("evaluate needs `dataset` or `examples`")
         examples = load_examples(dataset, split)
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("--batch-size and --max-new-tokens must be >= 1")
+    if len(examples) == 0:
+        raise ValueError("evaluate got no examples: give at least one")
+    check_int("batch_size", batch_size, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
     model.eval()
     loop_kw = _loop_kwargs(model, max_iterations, exit_threshold)
     M = loop_kw.get("max_iterations", getattr(model.config, "max_iterations", 1))
@@ -720,36 +727,12 @@ def write_pictures(results: Sequence[dict], out_dir: str, depth_map_examples: in
 
 
 # ----------------------------------------------------------------------------------------------------- output
-def check_output_dir(out: str, overwrite: bool = False, what: str = "--out") -> None:
-    """Refuse a non-directory `out`, and a non-empty one unless `overwrite`."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"{what} {out!r} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ValueError(f"{what} {out!r} exists and is not empty (pass --overwrite to replace it)")
-
-
 @contextlib.contextmanager
 def output_dir(out: str, overwrite: bool = False, what: str = "--out"):
-    """Yield a temporary sibling of `out`; on success it replaces `out` in one rename, on failure it is removed.
-    A non-empty `out` is refused unless `overwrite`."""
-    check_output_dir(out, overwrite, what)
-    out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    """Yield a temporary directory; on success it becomes `out` (one rename, or the old `out` swapped out with
+    `overwrite`), on failure it is removed; `out` is locked against a second run meanwhile (`core.outdir`)."""
+    with atomic_output_dir(out, what, overwrite=overwrite, label=what) as tmp:
         yield tmp
-        if os.path.exists(out):
-            trash = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.replace(out, os.path.join(trash, "old"))
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_eval(results: Sequence[dict], out_dir: str, command: str | None = None) -> str:
@@ -806,9 +789,17 @@ def cmd_eval(args, argv: Sequence[str] | None = None) -> int:
     import shlex
 
     set_threads(args.threads)
-    check_output_dir(args.out, args.overwrite)  # bad input fails before any model is loaded
+    check_output_dir(args.out, "--out", overwrite=args.overwrite, hint=" (pass --overwrite to replace it)")
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    check_int("--batch-size", args.batch_size, 1)
+    if args.max_iterations is not None:
+        check_int("--max-iterations", args.max_iterations, 1)
+    if args.exit_threshold is not None:
+        check_float("--exit-threshold", args.exit_threshold, 0, 1, low_open=True, high_open=True)
     answer_regex(args.answer_pattern)
     examples = load_examples(args.dataset, args.split)
+    for ckpt in [args.checkpoint] + ([args.baseline] if args.baseline else []):
+        check_checkpoint_path(ckpt)  # every checkpoint named is checked before the first is evaluated
     with output_dir(args.out, args.overwrite) as tmp:  # refuses a non-empty --out before any work
         results = []
         for ckpt in ([args.baseline] if args.baseline else []) + [args.checkpoint]:
@@ -831,13 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     add_eval_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    try:
-        return cmd_eval(args, argv)
-    except ValueError as err:
-        if args.debug:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(cmd_eval, args, argv, debug=args.debug)
 
 
 __all__ = ["EvalExample", "comparison_rows", "decode_flops", "evaluate", "extract_answer",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections import defaultdict
 
 import torch
 
+from ..core.numbers import check_int
+from ..core.outdir import atomic_output_dir, check_output_dir
+from ..core.readers import read_json, read_jsonl, read_text_lines
 from . import attention_metrics as am
 from . import residual_metrics as rm
 from .trace import capture_trace, recurrence_support_error
@@ -52,36 +53,36 @@ def default_dataset_path() -> str | None:
     return here if os.path.isfile(here) else None
 
 
+_TEXT_FIELDS = ("question", "text", "prompt")
+
+
+def _text_of(item, where: str, strings: bool) -> str:
+    if strings and isinstance(item, str):
+        return item
+    field = next((k for k in _TEXT_FIELDS if isinstance(item, dict) and k in item), None)
+    if field is None:
+        kinds = "a string or an object" if strings else "a JSON object"
+        raise ValueError(f"{where}: expected {kinds} with a 'question', 'text' or 'prompt' field")
+    if not isinstance(item[field], str):
+        raise ValueError(f"{where}: field {field!r} is {'null' if item[field] is None else type(item[field]).__name__}"
+                         "; expected a string")
+    return item[field]
+
+
 def load_texts(path: str) -> list[str]:
-    """Texts from a .jsonl (field question / text / prompt per line), a .json list, or a plain file (one per line)."""
-    if not os.path.isfile(path):
+    """Texts from a .jsonl (field question / text / prompt per line), a .json list, or a plain file (one per line);
+    bytes that are not UTF-8, invalid JSON or a wrong type are named with the file and line."""
+    if not os.path.exists(path) and not os.path.islink(path):
         raise ValueError(f"--dataset {path!r}: no such file")
-    texts = []
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: invalid JSON ({err.msg})") from None
-                field = next((k for k in ("question", "text", "prompt") if isinstance(rec, dict) and k in rec), None)
-                if field is None:
-                    raise ValueError(f"{path}:{n}: expected a JSON object with a 'question', 'text' or 'prompt' field")
-                texts.append(str(rec[field]))
-        elif path.endswith(".json"):
-            data = json.load(f)
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: expected a JSON list of strings or objects")
-            for n, d in enumerate(data):
-                field = next((k for k in ("question", "text", "prompt") if isinstance(d, dict) and k in d), None)
-                if not isinstance(d, str) and field is None:
-                    raise ValueError(f"{path}: item {n} must be a string or an object with a 'question', 'text' or "
-                                     "'prompt' field")
-                texts.append(d if isinstance(d, str) else str(d[field]))
-        else:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
+    if path.endswith(".jsonl"):
+        rows, lines = read_jsonl(path, "--dataset", objects=False)
+        where = (lambda i: f"{path}:{lines[i]}") if lines else (lambda i: f"{path}: item {i + 1}")
+        texts = [_text_of(r, where(i), strings=False) for i, r in enumerate(rows)]
+    elif path.endswith(".json"):
+        data = read_json(path, "--dataset", expect=list)
+        texts = [_text_of(d, f"{path}: item {n}", strings=True) for n, d in enumerate(data)]
+    else:
+        texts = [line for _, line in read_text_lines(path, "--dataset")]
     if not texts:
         raise ValueError(f"{path}: no texts")
     return texts
@@ -123,17 +124,13 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def load_model_and_tokenizer(checkpoint: str, tokenizer: str | None = None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    import hf_loops  # noqa: F401  (registers the architectures)
+    from ..core.loading import check_tokenizer_fits, load_causal_lm
 
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint {checkpoint!r} is not a directory")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    except (OSError, KeyError, ValueError, AssertionError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"cannot load a causal LM from {checkpoint!r}: {first}") from None
+    model = load_causal_lm(checkpoint, torch.float32)  # a checkpoint lacking weights is refused, naming them
     if tokenizer == "bytes":
         tok = ByteTokenizer()
     else:
@@ -144,6 +141,8 @@ def load_model_and_tokenizer(checkpoint: str, tokenizer: str | None = None):
             raise ValueError(f"no tokenizer at {source!r} (pass --tokenizer DIR, or --tokenizer bytes): "
                              f"{str(err).splitlines()[0]}") from None
     vocab_file = os.path.join(checkpoint, "compact_vocab.json")
+    if tokenizer != "bytes" and not os.path.isfile(vocab_file):  # a compact vocabulary remaps the ids
+        check_tokenizer_fits(tok, model.config.vocab_size, f"--tokenizer {tokenizer!r}" if tokenizer else "tokenizer")
     if os.path.isfile(vocab_file) and tokenizer != "bytes":
         with open(vocab_file) as f:
             tok = _CompactTokenizer(tok, json.load(f))
@@ -222,7 +221,8 @@ def analyze(model, tokenizer, texts: list[str], out: str, *, recurrences: int | 
     bad = [m for m in metrics if m not in METRIC_GROUPS]
     if bad:
         raise ValueError(f"--metrics: unknown {bad}; choose from {list(METRIC_GROUPS)}")
-    _check_out(out, overwrite)
+    check_output_dir(out, "--out", overwrite=overwrite, hint=" (pass --overwrite to replace it)")
+    check_counts(recurrences, fixed_point_recurrences, max_length)
     if not texts:
         raise ValueError("no input texts")
     from . import plots  # fails early with a clear message when matplotlib is missing
@@ -232,39 +232,61 @@ def analyze(model, tokenizer, texts: list[str], out: str, *, recurrences: int | 
     bad = [g for g in groupings if g not in plots.GROUPINGS]
     if bad:
         raise ValueError(f"--grouping: unknown {bad}; choose from {list(plots.GROUPINGS)}")
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
+    # temporary directory → renamed into place (an existing empty --out such as `.` is kept and filled), locked
+    with atomic_output_dir(out, "--out", overwrite=overwrite, label="--out") as tmp:
+        return _analyze_into(model, tokenizer, texts, tmp, recurrences, metrics, fixed_point_recurrences,
+                             max_length, progress, name, max_depth_map_texts, groupings)
+
+
+def check_counts(recurrences: int | None, fixed_point_recurrences: int, max_length: int) -> None:
+    """The counts of an analysis: integers in range (an explicit value is never replaced by a default)."""
+    if recurrences is not None:
+        check_int("--recurrences", recurrences, 1)
+    check_int("--fixed-point-recurrences", fixed_point_recurrences, 2)
+    check_int("--max-length", max_length, 2)  # at least two tokens: the probes compare positions
+
+
+# What one recorded float costs in a trace, with the copies the probes make of it (measured on the tiny test models:
+# peak memory ≈ 2 × the recorded tensors).
+_TRACE_COPIES = 2
+
+
+def trace_bytes(config, recurrences: int, tokens: int, attention: bool) -> int:
+    """An upper bound of the memory one trace of `recurrences` recurrences over `tokens` tokens records: every layer's
+    residual (tokens × hidden) and, with attention, its probabilities (heads × tokens × tokens), in float32."""
+    per_step = tokens * config.hidden_size + (config.num_attention_heads * tokens * tokens if attention else 0)
+    return _TRACE_COPIES * 4 * recurrences * config.num_hidden_layers * per_step
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (Linux MemAvailable), or None where unknown."""
     try:
-        result = _analyze_into(model, tokenizer, texts, tmp, recurrences, metrics, fixed_point_recurrences,
-                               max_length, progress, name, max_depth_map_texts, groupings)
-        _move_into_place(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return result
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
-def _check_out(out: str, overwrite: bool) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ValueError(f"--out {out!r} exists and is not empty (pass --overwrite to replace it)")
-
-
-def _move_into_place(tmp: str, out: str, overwrite: bool) -> None:
-    trash = None
-    if os.path.isdir(out):
-        if os.listdir(out):
-            if not overwrite:
-                raise ValueError(f"--out {out!r} exists and is not empty (pass --overwrite to replace it)")
-            trash = tmp + ".old"
-            os.replace(out, trash)
-        else:
-            os.rmdir(out)
-    os.replace(tmp, out)
-    if trash:
-        shutil.rmtree(trash, ignore_errors=True)
+def check_trace_memory(config, what: str, recurrences: int, tokens: int, attention: bool,
+                       available: int | None = None) -> None:
+    """Refuse, before any trace, a recurrence count whose traces cannot fit in the memory available (the machine would
+    run out of memory and kill the process, leaving nothing but a temporary folder)."""
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    need = trace_bytes(config, recurrences, tokens, attention)
+    budget = int(0.8 * available)
+    if need > budget:
+        per = max(trace_bytes(config, 1, tokens, attention), 1)
+        raise ValueError(f"{what} {recurrences} needs about {need / 2**30:.1f} GiB for one {tokens}-token trace, "
+                         f"more than the {available / 2**30:.1f} GiB available; at most {budget // per} fit here "
+                         "(or lower --max-length)")
 
 
 def _progress(iterable, enabled: bool, desc: str):
@@ -478,6 +500,11 @@ def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_
     bos = getattr(tokenizer, "bos_token_id", None)
     if cfg.model_type == "tah2" and recurrences is None:
         recurrences = cfg.max_iterations  # every token forced to depth M: all steps exist for every sequence
+    longest = max(len(ids) for ids in encoded)
+    if recurrences is not None:
+        check_trace_memory(cfg, "--recurrences", recurrences, min(longest, max_length), "attention" in metrics)
+    if "fixed_point" in metrics:
+        check_trace_memory(cfg, "--fixed-point-recurrences", t_fp, longest, False)
     acc = _Accumulator(model, metrics, recurrences, max_length)
     for ids in _progress(encoded, progress, "analyze"):
         acc.add(ids, device)
@@ -782,11 +809,8 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     """`hf-loops analyze`: bad input raises ValueError (the CLI prints one line and exits 2)."""
-    _check_out(args.out, args.overwrite)
-    if args.recurrences is not None and args.recurrences < 1:
-        raise ValueError(f"--recurrences must be >= 1, got {args.recurrences}")
-    if args.fixed_point_recurrences < 2:
-        raise ValueError(f"--fixed-point-recurrences must be >= 2, got {args.fixed_point_recurrences}")
+    check_output_dir(args.out, "--out", overwrite=args.overwrite, hint=" (pass --overwrite to replace it)")
+    check_counts(args.recurrences, args.fixed_point_recurrences, args.max_length)
     if args.text:
         texts = list(args.text)
     else:

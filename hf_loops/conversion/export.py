@@ -9,7 +9,7 @@ import os
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from .outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, move_files_into, remove_stale_exports
+from ..core.outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, move_files_into, remove_stale_exports
 
 __all__ = ["TMP_PREFIX", "atomic_output_dir", "check_output_dir", "export", "move_files_into", "remote_code_saving",
            "remove_stale_exports"]

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ..core.outdir import atomic_output_dir
 from ..modeling.modeling_tah2 import TaH2ForCausalLM
 from ..modeling.tah2_official import (
     TAH_CONFIG_FILE,
@@ -22,7 +23,6 @@ from ..modeling.tah2_official import (
     write_official_tah2,
 )
 from .hub import resolve_source_dir
-from .outdir import atomic_output_dir
 
 __all__ = ["export_tah2", "import_tah2", "is_official_tah2_dir", "load_official_tah2"]
 

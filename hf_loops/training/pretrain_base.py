@@ -26,9 +26,7 @@ import json
 import math
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -290,28 +288,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prepare_out(path: Path, overwrite: bool) -> None:
-    if path.exists() and any(path.iterdir()) and not overwrite:
-        raise ValueError(f"--out {path} is not empty (pass --overwrite to replace it)")
+def _prepare_out(path: Path, overwrite: bool, what: str = "--out") -> None:
+    """Before any work: a file, a non-empty directory (unless `overwrite`) or an unwritable location is refused."""
+    from ..core.outdir import check_output_dir
+
+    check_output_dir(path, what, overwrite=overwrite, hint=" (pass --overwrite to replace it)")
 
 
 def _save_atomically(path: Path, write) -> None:
-    """Write into a temporary sibling, then rename into place: `path` holds one complete result or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        write(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Write into a temporary directory, then rename (or swap) it into place: `path` holds one complete result or
+    nothing (`core.outdir.atomic_output_dir`; a checkpoint of this run is replaced by the next one)."""
+    from ..core.outdir import atomic_output_dir
+
+    with atomic_output_dir(path, "--out", overwrite=True, label="--out") as tmp:
+        write(Path(tmp))
 
 
 def _write_result(out: Path, model, tokenizer, args, report: dict, final: bool) -> None:
@@ -425,16 +415,30 @@ def render_readme(r: dict) -> str:
 
 
 def validate(args) -> None:
+    """Every number and path before any work (an unwritable --out is found now, not after training)."""
+    from ..core.numbers import check_float
+
+    for flag, low, high in (("lr", 0, None), ("weight_decay", 0, None), ("grad_clip", 0, None),
+                            ("min_lr_ratio", 0, 1), ("heldout_fraction", 0, 0.5)):
+        check_float(f"--{flag.replace('_', '-')}", getattr(args, flag), low, high, low_open=flag in ("lr", "grad_clip"),
+                    high_open=flag == "heldout_fraction")
+    min_vocab = 256 + len(SPECIAL_TOKENS)  # the byte-level BPE keeps all 256 bytes and the special tokens
+    if args.tokenizer is None and args.vocab_size < min_vocab:
+        raise ValueError(f"--vocab-size must be >= {min_vocab} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), "
+                         f"got {args.vocab_size}")
+    if args.seq_len > args.max_positions:
+        raise ValueError(f"--seq-len ({args.seq_len}) must be <= --max-positions ({args.max_positions}): RoPE "
+                         "positions past max_position_embeddings are never trained for")
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        raise ValueError(f"--tokenizer {args.tokenizer!r} is not an existing directory")
     for flag in ("steps", "seq_len", "batch_size", "vocab_size", "hidden_size", "layers", "heads", "kv_heads",
-                 "head_dim", "threads"):
+                 "head_dim", "threads", "max_positions", "intermediate_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    if not 0 <= args.heldout_fraction < 0.5:
-        raise ValueError(f"--heldout-fraction must be in [0, 0.5), got {args.heldout_fraction}")
-    if args.warmup < 0 or not 0 <= args.min_lr_ratio <= 1:
-        raise ValueError("--warmup must be >= 0 and --min-lr-ratio in [0, 1]")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -445,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
     validate(args)
     out = Path(args.out)
     _prepare_out(out, args.overwrite)
+    if args.save_every:
+        _prepare_out(Path(args.checkpoint_dir or f"{args.out}.checkpoint"), True, "--checkpoint-dir")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start = time.time()
@@ -602,15 +608,19 @@ def _finish(model, data: _Data, args, report: dict, out: Path, t_start: float) -
 
 def cli(argv: list[str] | None = None) -> int:
     """Command-line entry (`hf-loops pretrain ...`, examples/pretrain_base.py): bad input is one line and exit 2."""
+    from ..core.errors import run_command
+
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        main(args)
-    except (ValueError, FileNotFoundError) as err:
-        if "--debug" in args:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(_main_locked, args, debug="--debug" in args)
+
+
+def _main_locked(argv: list[str]) -> None:
+    """`main` with --out locked against a second run into the same directory."""
+    from ..core.outdir import output_lock
+
+    out = build_parser().parse_args(argv).out
+    with output_lock(out, "--out"):
+        main(argv)
 
 
 if __name__ == "__main__":

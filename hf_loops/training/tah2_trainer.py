@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig, SFTTrainer
 
+from ..core.numbers import check_float, check_int
 from ..modeling.modeling_tah2 import shift_targets
+from .checkpoints import AtomicCheckpointsMixin
 from .tah2_labels import compute_depth_labels, decider_bce_sum, ouro_gate_loss_sum
 
 
@@ -35,6 +37,7 @@ class TaH2SFTConfig(SFTConfig):
     gate_margin: float = field(default=0.005, metadata={"help": "Ouro Stage II: γ of the soft gate target, >= 0."})
 
     def __post_init__(self):
+        self._check_trainer_numbers()
         if not 0.0 < self.coverage <= 1.0:
             raise ValueError(f"coverage must be in (0, 1], got {self.coverage}")
         if self.decider_loss_weight < 0:
@@ -56,6 +59,19 @@ class TaH2SFTConfig(SFTConfig):
             # extra graph traversal for unused parameters would find none; either setting is correct.
             self.ddp_find_unused_parameters = False
         super().__post_init__()
+
+    def _check_trainer_numbers(self) -> None:
+        """The Trainer's own numbers, which it takes as given: `learning_rate inf` would train to NaN weights and
+        exit 0, `num_train_epochs nan` and `gradient_accumulation_steps 0` fail deep inside with Python's words."""
+        check_float("learning_rate", self.learning_rate, 0)
+        check_float("num_train_epochs", self.num_train_epochs, 0, low_open=True)
+        check_float("weight_decay", self.weight_decay, 0)
+        check_float("warmup_steps", self.warmup_steps, 0)
+        if self.max_grad_norm is not None:
+            check_float("max_grad_norm", self.max_grad_norm, 0)
+        check_float("adam_epsilon", self.adam_epsilon, 0, low_open=True)
+        check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        check_int("per_device_train_batch_size", self.per_device_train_batch_size, 1)
 
     @property
     def beta_clamp(self):
@@ -163,7 +179,7 @@ def metric_values(metrics: dict) -> dict:
     return {k: float(num) / float(den) if float(den) > 0 else 0.0 for k, (num, den) in metrics.items()}
 
 
-class TaH2SFTTrainer(SFTTrainer):
+class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
     """`SFTTrainer` whose loss is TaH2's joint objective (Eq. 7) with lookahead labels."""
 
     def __init__(self, *args, **kwargs):

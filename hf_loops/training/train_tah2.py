@@ -17,6 +17,7 @@ import os
 import re
 import sys
 
+from ..core.errors import DEBUG_HINT  # noqa: F401  (one hint for every command)
 from ..modeling.configuration_tah2 import TAH2_PRESETS
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -27,7 +28,6 @@ ARCHS = tuple(TAH2_PRESETS)
 NONE_WORDS = ("none", "null")
 # Optional trainer fields where "none" is a value of its own (report_to=none: no integrations), not None.
 NONE_IS_A_VALUE = ("report_to",)
-DEBUG_HINT = "(rerun with --debug for the traceback)"
 DTYPES = ("float32", "bfloat16", "auto")
 # The trainer fields that choose the device and precision; when none is given, `device_defaults` picks them.
 DEVICE_FIELDS = ("use_cpu", "bf16", "fp16", "no_cuda")
@@ -96,8 +96,16 @@ def load_recipe(name_or_path: str | None) -> dict:
     path = os.path.join(RECIPES_DIR, RECIPES[name_or_path]) if name_or_path in RECIPES else name_or_path
     if not os.path.isfile(path):
         raise ValueError(f"--recipe must be one of {sorted(RECIPES)} or a YAML file; {name_or_path!r} is neither")
-    with open(path) as f:
-        recipe = yaml.safe_load(f) or {}
+    from ..core.readers import read_text
+
+    text = read_text(path, "recipe")
+    try:
+        recipe = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:  # a syntax error, or a tag safe_load refuses (!!python/object: runs code)
+        mark = getattr(err, "problem_mark", None)
+        at = f"{path}:{mark.line + 1}" if mark is not None else path
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"recipe {at}: not a plain YAML mapping ({' '.join(str(problem).split())})") from None
     if not isinstance(recipe, dict):
         raise ValueError(f"recipe {path!r} must be a YAML mapping of field: value")
     return recipe
@@ -139,8 +147,9 @@ def load_training_dataset(spec: str, split: str = "train"):
 def check_data_file(path: str) -> tuple[list[dict], list[int] | None]:
     """Parse a local JSON Lines (or JSON list) file: an empty file, a malformed line or a row that is not an object →
     `ValueError` with the file and line. Returns the rows and the line number of each (None for a JSON list)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
+    from ..core.readers import read_text
+
+    text = read_text(path, "dataset file")  # a byte that is not UTF-8 is named here (file, line), not inside datasets
     if not text.strip():
         raise ValueError(f"dataset file {path!r} is empty: expected one JSON object per line")
     stripped = text.lstrip()
@@ -405,24 +414,12 @@ def device_defaults(recipe: dict, rest: list[str]) -> list[str]:
 
 def check_output_dir(path: str, overwrite: bool, resume: str | None) -> None:
     """Refuse a non-empty --output-dir unless --overwrite-output-dir or --resume-from-checkpoint is given (changes
-    nothing); a file, or a location that cannot be written, is refused too."""
-    from ..conversion.export import TMP_PREFIX
+    nothing); a file, or a location that cannot be written, is refused too (`core.outdir.check_output_dir`)."""
+    from ..core.outdir import check_output_dir as check
 
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--output-dir {path!r} is a file; expected a new or empty directory")
-    if os.path.isdir(path):
-        entries = sorted(n for n in os.listdir(path) if not n.startswith(TMP_PREFIX))
-        if entries and not overwrite and resume is None:
-            shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-            raise ValueError(f"--output-dir {path!r} is not empty ({shown}); pass --overwrite-output-dir to clear it, "
-                             "--resume-from-checkpoint to continue its run, or choose a new directory")
-    probe = os.path.abspath(path)
-    while not os.path.isdir(probe):
-        if os.path.exists(probe):
-            raise ValueError(f"--output-dir {path!r}: {probe!r} is a file, so the directory cannot be created")
-        probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(13, f"--output-dir {path!r}: cannot write in {probe!r}; choose a writable location")
+    check(path, "--output-dir", overwrite=overwrite or resume is not None,
+          hint="; pass --overwrite-output-dir to clear it, --resume-from-checkpoint to continue its run, or choose a "
+               "new directory")
 
 
 def clear_output_dir(path: str) -> None:
@@ -561,7 +558,11 @@ def run(argv: list[str] | None = None):
     apply_token_budget(trainer, budget)  # the budget sampler and derived accumulation; prints the derivation
     drop_truncated_examples(trainer, sizes, config.max_length)
     resume = args.resume_from_checkpoint
-    result = trainer.train(resume_from_checkpoint=True if resume == "true" else resume)
+    if resume == "true":  # the newest COMPLETE checkpoint (the Trainer's own choice is the newest folder)
+        from .checkpoints import last_complete_checkpoint
+
+        resume = last_complete_checkpoint(args.output_dir)
+    result = trainer.train(resume_from_checkpoint=resume)
 
     state_dict = final_state_dict(trainer)  # a collective under FSDP: every rank takes part
     final = trainer.model if state_dict is None else unsharded_model(trainer, state_dict)
@@ -671,40 +672,22 @@ def push_checkpoint(folder: str, repo_id: str, private: bool = False) -> None:
         raise ValueError(f"could not push {folder!r} to the Hub repo {repo_id!r}: {type(err).__name__}: {err}") from err
 
 
-def _last_line(err: BaseException) -> str:
-    lines = [line for line in str(err).strip().splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[-1].strip()}" if lines else type(err).__name__
+def _run_locked(argv: list[str]) -> None:
+    """`run` with --output-dir locked: a second run into the same directory is refused at once (one line), instead of
+    interleaving its checkpoints with this run's."""
+    from ..core.outdir import output_lock
 
-
-def _close_progress_bars() -> None:
-    """Close the bars a failed run left open (the Trainer's, datasets'): closed now, they do not redraw themselves
-    below the error message when the trainer is garbage-collected."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
+    args, _ = build_parser(model_fields()).parse_known_args(argv)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    with output_lock(args.output_dir, "--output-dir"):
+        run(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`hf-loops train`: exit code 0, 2 for bad input (ValueError, OSError), 1 for any other failure. The failure is the last
-    line on stderr (on a fresh line, after any progress bar); `--debug` re-raises it with the traceback."""
+    """`hf-loops train`: exit code 0, 2 for bad input (ValueError, OSError, a bad recipe), 1 for any other failure.
+    The failure is the last line on stderr (on a fresh line, after any progress bar); `--debug` re-raises it with the
+    traceback (`core.errors.run_command`)."""
+    from ..core.errors import run_command
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    try:
-        run(argv)
-    except (ValueError, OSError) as err:  # bad input (files, values, locations)
-        if debug:
-            raise
-        _close_progress_bars()
-        text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        print(f"\nerror: {' '.join(text.split())}", file=sys.stderr)
-        return 2
-    except Exception as err:  # noqa: BLE001 - the CLI reports any failure in one line
-        if debug:
-            raise
-        _close_progress_bars()
-        print(f"\n{_last_line(err)} {DEBUG_HINT}", file=sys.stderr)
-        return 1
-    return 0
+    return run_command(_run_locked, argv, debug="--debug" in argv)

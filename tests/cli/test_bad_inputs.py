@@ -23,7 +23,7 @@ from hf_loops.conversion.export import TMP_PREFIX, atomic_output_dir, check_outp
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers and helpers
 REPO = os.path.dirname(HERE)
-OUTDIR = os.path.join(REPO, "hf_loops", "conversion", "outdir.py")
+OUTDIR = os.path.join(REPO, "hf_loops", "core", "outdir.py")
 CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 

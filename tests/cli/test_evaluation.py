@@ -71,10 +71,10 @@ def test_dataset_formats_and_errors(tmp_path):
     assert len(load_examples(str(path), "train[1:3]")) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl, line 2"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):  # one format for every reader: FILE:LINE
         load_examples(str(bad))
     bad.write_text(json.dumps({"q": 1}) + "\n")
-    with pytest.raises(ValueError, match="row 1: expected the fields"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected the fields"):
         load_examples(str(bad))
 
 
@@ -177,7 +177,7 @@ def test_cli_eval_writes_outputs_and_refuses_bad_input(ckpts, tmp_path, capsys):
     bad.write_text('{"question": "q", "answer": "#### 1"}\n[1, 2]\n')
     assert main(["eval", ckpts["tah2"], "--dataset", str(bad), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bad.jsonl, line 2" in err[0]
+    assert len(err) == 1 and "bad.jsonl:2: expected a JSON object" in err[0]
     assert not (tmp_path / "x").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".x.tmp")]
     assert main(["eval", str(tmp_path / "missing"), "--dataset", ckpts["data"], "--out", str(tmp_path / "y")]) == 2
 

@@ -1,0 +1,282 @@
+"""Output directories that hold one complete result or nothing (stdlib only: no torch/transformers import).
+
+Every command that writes a directory (convert, train, pretrain, eval, analyze, demo) goes through this module:
+
+- `check_output_dir`: before any work, a new path (creatable) or an existing empty, writable directory (`.`, a mount
+  point); a file, a non-empty directory (unless `overwrite`) or a read-only location is refused with one message.
+- `atomic_output_dir`: write into a temporary directory, then rename it into place (new path), swap it with the old
+  one (`overwrite`), or move its files into the existing directory with `config.json` last; removed on any failure,
+  SIGTERM included; files and folders get the modes the umask gives (not mkdtemp's 0700).
+- `output_lock`: an advisory lock (fcntl) per output directory, so two runs cannot write into one directory.
+- `remove_stale_exports`: leftovers of a SIGKILL-ed run (`.hf_loops_export_<pid>_*`) are named and removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+# Temporary directories of an export in progress: `<prefix><pid>_<random>`, so a later export can tell the leftovers of
+# a killed process (SIGKILL cannot be caught) from the directory of a concurrent export that is still running.
+TMP_PREFIX = ".hf_loops_export_"
+# Written last when files are moved into an existing directory: a directory without it holds no loadable model.
+LAST_FILE = "config.json"
+# The advisory lock of a directory being written: beside it while it does not exist yet (`.<name>.hf_loops.lock` in
+# the parent), so that the lock is the same file before and after the directory appears.
+LOCK_SUFFIX = ".hf_loops.lock"
+LOCK_NAME = ".hf_loops.lock"  # inside the directory, where its parent cannot be written (`.` in a read-only parent)
+_HELD: dict[str, int] = {}  # lock files this process holds → nesting depth
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_exports(folder: str) -> list[str]:
+    """Remove the `.hf_loops_export_*` leftovers of killed exports in `folder` (those whose process is gone), naming
+    each in a warning on stderr. Returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(TMP_PREFIX):
+            continue
+        pid = name[len(TMP_PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and (int(pid) == os.getpid() or _pid_alive(int(pid))):
+            continue  # an export that is still running (this process's or a concurrent one)
+        path = os.path.join(folder, name)
+        print(f"warning: removing {path!r}, the leftover of an interrupted export", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _visible_entries(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if not n.startswith(TMP_PREFIX) and n != LOCK_NAME)
+
+
+def check_output_dir(out_dir: str | os.PathLike, what: str = "--out", overwrite: bool = False,
+                     hint: str = "") -> str:
+    """Check, before any work, that `out_dir` can receive a result: it is a new path whose nearest existing parent is a
+    writable directory, or an existing empty writable directory (`.` and mount points included), or any directory with
+    `overwrite`. Returns the absolute path. `ValueError` for a file or a refused non-empty directory (`hint` says how
+    to replace it), `PermissionError` for a location that cannot be written."""
+    raw = os.fspath(out_dir)
+    if not raw.strip():
+        raise ValueError(f"{what} is empty: give a directory path")
+    out = os.path.abspath(raw)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{what} {raw!r} is a file; expected a new or empty directory")
+    if os.path.isdir(out):
+        remove_stale_exports(out)
+        entries = _visible_entries(out)
+        if entries and not overwrite:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise ValueError(f"{what} {raw!r} exists and is not empty ({len(entries)} entries: {shown}); "
+                             f"expected a new or empty directory{hint}")
+        probe_in = out
+    else:
+        probe_in = os.path.dirname(out)
+        while not os.path.exists(probe_in):
+            probe_in = os.path.dirname(probe_in)
+        if not os.path.isdir(probe_in):
+            raise ValueError(f"{what} {raw!r}: {probe_in!r} is a file, so the directory cannot be created")
+    try:  # os.access is unreliable (root, read-only mounts): create and remove a probe instead
+        probe = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}_probe_", dir=probe_in)
+        os.rmdir(probe)
+    except OSError as err:
+        raise PermissionError(err.errno, f"{what} {raw!r}: cannot write in {probe_in!r} ({err.strerror}); choose a "
+                                         "writable location") from None
+    return out
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def _normal_permissions(folder: str) -> None:
+    """Files and folders written through temporary files (0600/0700) get the modes the umask gives new ones."""
+    mode = _default_mode()
+    os.chmod(folder, mode)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), mode)
+        for name in files:
+            os.chmod(os.path.join(root, name), mode & 0o666)
+
+
+@contextlib.contextmanager
+def _remove_on_sigterm(path: str):
+    """On SIGTERM, remove `path` (the handler raises SystemExit, so the `except BaseException` cleanup runs)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def move_files_into(src: str, dst: str) -> None:
+    """Move every entry of `src` into the existing directory `dst`, replacing same-named ones, with `config.json` last
+    (an old `config.json` in `dst` is removed first): at every moment `dst` holds the old complete model, no
+    `config.json` (nothing loadable), or the new complete model."""
+    names = sorted(os.listdir(src), key=lambda n: n == LAST_FILE)
+    if LAST_FILE in names and os.path.lexists(os.path.join(dst, LAST_FILE)):
+        os.remove(os.path.join(dst, LAST_FILE))
+    for name in names:
+        target = os.path.join(dst, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(src, name), target)
+
+
+def _swap_into_place(tmp: str, out: str) -> None:
+    """Replace the non-empty directory `out` with `tmp`: the old one is moved aside first and removed after, so `out`
+    names the old result or the new one at every moment but one rename. Where `out` cannot be renamed (`.`, a mount
+    point), its entries are removed and the new files moved in with `config.json` last."""
+    trash = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}_old_", dir=os.path.dirname(out))
+    try:
+        os.replace(out, os.path.join(trash, "old"))
+    except OSError as err:
+        os.rmdir(trash)
+        if err.errno not in (errno.EBUSY, errno.EINVAL, errno.EACCES, errno.EPERM, errno.EXDEV):
+            raise
+        for name in _visible_entries(out):
+            full = os.path.join(out, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+        move_files_into(tmp, out)
+        os.rmdir(tmp)
+        return
+    os.replace(tmp, out)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str, what: str = "export", merge: bool = False, overwrite: bool = False,
+                      label: str | None = None, lock: bool = True):
+    """Yield a temporary directory to write into; on success its files land in `out_dir`, on any failure (SIGTERM
+    included) it is removed, so `out_dir` is never left half-written.
+
+    A new `out_dir`: the temporary sibling is renamed into place (atomic). An existing empty directory (`.`, a mount
+    point) is kept, not rmdir-ed: the temporary directory is made inside it (same filesystem) and its files are moved
+    in with `config.json` last. `overwrite=True` replaces a non-empty `out_dir` (moved aside, then removed) once the
+    new result is complete. `merge=True` allows a non-empty `out_dir` (a training run's directory) and moves the
+    files in the same way. Leftovers of killed runs (`.hf_loops_export_<pid>_*`) are removed with a warning. The
+    directory is locked (`output_lock`) for the whole block unless `lock=False` (the caller holds the lock)."""
+    out = os.path.abspath(os.fspath(out_dir))
+    if not merge:
+        check_output_dir(out_dir, label or f"{what} out_dir", overwrite=overwrite)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    with output_lock(out, label or what) if lock else contextlib.nullcontext():
+        remove_stale_exports(parent)
+        existing = os.path.isdir(out)
+        if existing:
+            remove_stale_exports(out)
+        replace = existing and not merge and bool(_visible_entries(out))
+        if replace and not overwrite:  # another run filled it since the check
+            check_output_dir(out_dir, label or f"{what} out_dir")
+        tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}_", dir=out if existing and not replace else parent)
+        try:
+            with _remove_on_sigterm(tmp):
+                yield tmp
+                _normal_permissions(tmp)
+                if replace:
+                    _swap_into_place(tmp, out)
+                elif existing:
+                    move_files_into(tmp, out)
+                    os.rmdir(tmp)
+                else:
+                    os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def lock_path(out_dir: str) -> str:
+    """Where the lock of `out_dir` lives: `.<name>.hf_loops.lock` beside it, or inside it when the parent is not
+    writable (an existing `.` in a read-only parent)."""
+    out = os.path.abspath(os.fspath(out_dir))
+    parent, name = os.path.split(out)
+    beside = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
+    if os.path.isdir(out) and not os.access(parent, os.W_OK | os.X_OK):
+        return os.path.join(out, LOCK_NAME)
+    return beside
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: str, what: str = "--out"):
+    """Hold an exclusive advisory lock (fcntl) on `out_dir` for the block: a second run that asks for the same
+    directory is refused at once with `ValueError` naming the process that holds it. The lock file is removed when
+    the block ends. Without fcntl (Windows), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no advisory locks on this platform
+        yield
+        return
+    path = lock_path(out_dir)
+    if path in _HELD:  # this process holds it already (a command locks, then the export inside it locks again)
+        _HELD[path] += 1
+        try:
+            yield path
+        finally:
+            _HELD[path] -= 1
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                os.close(fd)
+                raise
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(f"{what} {out_dir!r} is being written by another run (pid {holder}); wait for it to "
+                             "finish or choose another directory") from None
+        # The file may have been removed by the holder that just released it: then lock the new file instead.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    _HELD[path] = 1
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield path
+    finally:
+        del _HELD[path]
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)
