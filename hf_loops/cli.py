@@ -99,6 +99,10 @@ def cmd_generate(args) -> int:
 
     if not args.prompt.strip():
         raise ValueError("--prompt is empty: give some text to continue")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise ValueError(f"--prompt holds a byte that is not UTF-8 at character {err.start + 1}") from None
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if os.path.isdir(args.model):

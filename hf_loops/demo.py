@@ -135,23 +135,16 @@ def float32_base(base: str, dest: str) -> str:
     return dest
 
 
-def _training_argv(base: str, arch: str, train_file: str, out: str, settings: dict, seed: int,
-                   max_iterations: int | None) -> list[str]:
-    argv = ["--base", base, "--arch", arch, "--dataset", train_file, "--output-dir", out]
-    if arch != "standard" and max_iterations is not None:  # a looped preset (the Standard preset has M = 1)
-        argv += ["--max-iterations", str(max_iterations)]
-    for key, value in {**settings, "seed": seed}.items():
-        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return argv
-
-
 def train_one(base: str, arch: str, train_file: str, out: str, settings: dict, seed: int,
               max_iterations: int | None = None) -> dict:
-    """Post-train one run with `hf_loops.training.train_tah2.run`; write and return its training summary."""
-    from .training.train_tah2 import run
+    """Post-train one run with `hf_loops.training.train_tah2.train` (what `hf-loops train` runs); write and return
+    its training summary."""
+    from .training.train_tah2 import train
 
     t0 = time.perf_counter()
-    trainer = run(_training_argv(base, arch, train_file, out, settings, seed, max_iterations))
+    # a looped preset takes the demo's M; the Standard preset is one pass (M = 1)
+    model = {"max_iterations": max_iterations} if arch != "standard" and max_iterations is not None else None
+    trainer = train(base, train_file, out, arch, model=model, trainer={**settings, "seed": seed})
     wall = time.perf_counter() - t0
     history = [dict(h) for h in trainer.state.log_history]
     final = next((h for h in reversed(history) if "train_runtime" in h), {})

@@ -113,7 +113,7 @@ def looks_like_path(spec: str) -> bool:
 def load_examples(spec: str, split: str | None = None) -> list[EvalExample]:
     """Examples from a local .jsonl/.json file or a Hub dataset id (`split` = NAME or NAME[start:stop])."""
     name, start, stop = parse_split(split)
-    if looks_like_path(spec) and not os.path.exists(spec):
+    if looks_like_path(spec) and not os.path.lexists(spec):
         raise ValueError(f"--dataset {spec!r}: no such file")
     if os.path.isfile(spec) or os.path.islink(spec):  # a symlink loop is the file's problem, not the Hub's
         rows, lines = read_rows(spec, "--dataset")

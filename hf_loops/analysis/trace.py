@@ -557,6 +557,9 @@ def capture_trace(model, input_ids, attention_mask=None, num_recurrences: int | 
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"capture_trace needs input_ids of shape (batch, tokens) with at least one token, got shape "
+                         f"{tuple(input_ids.shape)}")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     if attention_mask is None:

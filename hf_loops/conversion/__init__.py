@@ -5,8 +5,7 @@ architecture registry (`get_spec`, `ARCHITECTURES`). The helpers behind them liv
 """
 
 from .convert import convert_qwen3
-from .export import export
-from .hub import push_to_hub
+from .export import export, push_to_hub
 from .registry import ARCHITECTURES, ArchitectureSpec, get_spec
 from .sgt import calibrate_sgt
 from .tah2_official import export_tah2, import_tah2

@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
+import tempfile
 
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..core.outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, move_files_into, remove_stale_exports
 
-__all__ = ["TMP_PREFIX", "atomic_output_dir", "check_output_dir", "export", "move_files_into", "remote_code_saving",
-           "remove_stale_exports"]
+__all__ = ["TMP_PREFIX", "atomic_output_dir", "check_output_dir", "export", "move_files_into", "push_to_hub",
+           "remote_code_saving", "remove_stale_exports"]
 
 def _auto_map_entry(cls: type) -> str:
     return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
@@ -90,3 +92,17 @@ def _export_generation_config(model: PreTrainedModel, tokenizer=None) -> Generat
             if value is not None:
                 setattr(gen, name, value)
     return gen
+
+
+def push_to_hub(model, repo_id: str, tokenizer=None, private: bool = False, token: str | None = None,
+                commit_message: str | None = None, **card_info):
+    """Export `model` (weights, config with `auto_map`, modeling code, generation config, tokenizer, model card) to a
+    temporary directory and push it to `repo_id` in one commit. `card_info` goes to `export` (source, report, …)."""
+    from .hub import push_folder
+
+    tmp = tempfile.mkdtemp(prefix=".hf_loops_push_")
+    try:
+        folder = export(model, os.path.join(tmp, "export"), tokenizer=tokenizer, repo_id=repo_id, **card_info)
+        return push_folder(folder, repo_id, private=private, token=token, commit_message=commit_message)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -6,8 +6,6 @@ Network is used only when a Hub id is given (`snapshot_download`) or when pushin
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import huggingface_hub
 from huggingface_hub import HfApi
@@ -59,17 +57,3 @@ def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, 
         commit_message=commit_message or "Upload converted looped model (hf_loops)",
         ignore_patterns=ignore_patterns,
     )
-
-
-def push_to_hub(model, repo_id: str, tokenizer=None, private: bool = False, token: str | None = None,
-                commit_message: str | None = None, **card_info):
-    """Export `model` (weights, config with `auto_map`, modeling code, generation config, tokenizer, model card) to a
-    temporary directory and push it to `repo_id` in one commit. `card_info` goes to `export` (source, report, …)."""
-    from .export import export
-
-    tmp = tempfile.mkdtemp(prefix=".hf_loops_push_")
-    try:
-        folder = export(model, os.path.join(tmp, "export"), tokenizer=tokenizer, repo_id=repo_id, **card_info)
-        return push_folder(folder, repo_id, private=private, token=token, commit_message=commit_message)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -38,7 +38,7 @@ class ArchitectureSpec:
     finish(model, calibration=..., tokenizer=...): a step after the load (SGT's entropy calibration).
     import_native(source_dir, allow_pickle, **config_overrides): a model from a directory already in the
         architecture's own published layout (the authors' TaH2 checkpoints), or None when it is not one.
-    flops: the architecture's FLOPs module (`hf_loops.analysis.flops_*`), imported on first use.
+    flops: the architecture's FLOPs module (`hf_loops.core.flops_*`), imported on first use.
     """
 
     name: str
@@ -108,7 +108,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
                         "core_adapter", "exit_kv_fill"),
         new_module_prefixes=("updater.", "decider.", "core_adapter."),
         one_loop_logits=_tah2_one_loop_logits, parity_setting="max_iterations=1", reports_depth=True,
-        import_native=_tah2_import_native, flops_module="..analysis.flops_tah2",
+        import_native=_tah2_import_native, flops_module="..core.flops_tah2",
     ),
     "spiralformer": ArchitectureSpec(
         name="spiralformer", config_class=SpiralFormerConfig, model_class=SpiralFormerForCausalLM,
@@ -122,7 +122,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         new_module_prefixes=("model.scorers.", "model.allocators.", "model.routers."),
         one_loop_logits=spiralformer_one_loop_logits, parity_setting="chunk_sizes=[1], one core pass",
         build=convert_spiralformer, convert_options=("layer_map", "core_init"),
-        flops_module="..analysis.flops_spiralformer",
+        flops_module="..core.flops_spiralformer",
     ),
     "sgt": ArchitectureSpec(
         name="sgt", config_class=SGTConfig, model_class=SGTForCausalLM,
@@ -135,7 +135,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         summary_fields=("loop_mode", "loop_plan", "heads_per_layer", "max_loop_depth"),
         new_module_prefixes=(),  # SGT adds no parameters
         one_loop_logits=sgt_one_loop_logits, parity_setting="loop depths 0",
-        convert_options=("calibration",), finish=_sgt_finish, flops_module="..analysis.flops_sgt",
+        convert_options=("calibration",), finish=_sgt_finish, flops_module="..core.flops_sgt",
     ),
 }
 

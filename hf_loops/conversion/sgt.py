@@ -8,7 +8,7 @@ from the source model's attention entropies on calibration text:
    last valid query row per sequence, or sampled rows with `entropy_estimator="sampled_rows"`);
 2. per layer, mean entropy over sequences → per-head ê_h; layer score = mean over heads;
 3. Algorithm 1 with these (constant) entropies, through the scheduler's own selection rules
-   (`hf_loops.training.sgt_selection`, one tie rule: the deeper layer first): Top = the `growth_top_layers`
+   (`hf_loops.core.sgt_selection`, one tie rule: the deeper layer first): Top = the `growth_top_layers`
    highest-scoring layers outside `growth_exclude_layers`; SELECT the deepest of Top, then keep selecting the deepest
    remaining Top layer that is not deeper than every selected one (deep-to-shallow), until `growth_max_layers` are
    selected. With constant entropies "deepen before widening" takes every selected layer to `max_loop_depth`;
@@ -29,7 +29,8 @@ import os
 
 import torch
 
-from ..training.sgt_selection import next_layer, rank_heads, top_layers
+from ..core.readers import read_text
+from ..core.sgt_selection import next_layer, rank_heads, top_layers
 
 CALIBRATION_SEQ_LEN = 256
 CALIBRATION_MAX_SEQUENCES = 64
@@ -38,11 +39,8 @@ CALIBRATION_MAX_SEQUENCES = 64
 def calibration_ids(calibration, tokenizer, seq_len: int = CALIBRATION_SEQ_LEN,
                     max_sequences: int = CALIBRATION_MAX_SEQUENCES) -> list[torch.Tensor]:
     """Token sequences (1, ≤ seq_len) cut from the calibration text (a file path, a string or a list of strings)."""
-    if isinstance(calibration, (str, os.PathLike)) and os.path.isfile(calibration):
-        with open(calibration, encoding="utf-8") as f:
-            texts = [f.read()]
-    elif isinstance(calibration, (str, os.PathLike)):
-        raise ValueError(f"calibration file {os.fspath(calibration)!r} does not exist")
+    if isinstance(calibration, (str, os.PathLike)):  # a directory, a missing file or bad bytes: named as such
+        texts = [read_text(calibration, "--calibration file")]
     else:
         texts = list(calibration)
     if tokenizer is None:
@@ -96,7 +94,7 @@ def effective_entropy(per_loop: torch.Tensor, plan: list[dict]) -> torch.Tensor:
 
 def select_layers(entropy: torch.Tensor, config) -> list[int]:
     """The layers Algorithm 1 loops with constant per-head entropies `entropy` (L, H), ascending: the growth
-    scheduler's selection rules and tie rule (`hf_loops.training.sgt_selection`)."""
+    scheduler's selection rules and tie rule (`hf_loops.core.sgt_selection`)."""
     direction = getattr(config, "growth_direction", "deep_to_shallow")
     selection = getattr(config, "head_selection", "highest_entropy")
     scores = entropy.mean(-1).tolist()
@@ -112,7 +110,7 @@ def select_layers(entropy: torch.Tensor, config) -> list[int]:
 
 def plan_from_entropy(entropy: torch.Tensor, config) -> list[dict]:
     """The static plan Algorithm 1 reaches with constant per-head entropies `entropy` (L, H): the same selection
-    rules (and tie rule) as the growth scheduler, `hf_loops.training.sgt_selection`; single-stage head selection
+    rules (and tie rule) as the growth scheduler, `hf_loops.core.sgt_selection`; single-stage head selection
     (`heads_per_layer` heads)."""
     selection = getattr(config, "head_selection", "highest_entropy")
     return [{"layer": layer, "heads": rank_heads(entropy[layer].tolist(), range(entropy.shape[1]),

@@ -78,6 +78,10 @@ class AtomicCheckpointsMixin:
         self._staging = staging
         try:
             super()._save_checkpoint(model, trial)
+        except BaseException:  # a full disk, a signal: the partial checkpoint goes, the complete ones stay
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
         finally:
             self._staging = None
         self._barrier()  # every rank has written its files (RNG states, optimizer shards)

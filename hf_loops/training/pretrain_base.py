@@ -618,8 +618,10 @@ def _main_locked(argv: list[str]) -> None:
     """`main` with --out locked against a second run into the same directory."""
     from ..core.outdir import output_lock
 
-    out = build_parser().parse_args(argv).out
-    with output_lock(out, "--out"):
+    args = build_parser().parse_args(argv)
+    validate(args)  # bad values and an unwritable --out are named before the lock file is made
+    _prepare_out(Path(args.out), args.overwrite)
+    with output_lock(args.out, "--out"):
         main(argv)
 
 

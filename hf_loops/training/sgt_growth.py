@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from ..analysis.flops_sgt import plan_overhead
+from ..core.flops_sgt import plan_overhead
 from ..modeling.configuration_sgt import SGTConfig
 from .sgt_selection import next_layer, rank_heads, top_layers
 

@@ -118,6 +118,10 @@ def load_training_dataset(spec: str, split: str = "train"):
     with `null` in it → `ValueError` naming the file and line (the row index for directories and Hub datasets)."""
     from datasets import load_dataset
 
+    if os.path.islink(spec) and not os.path.exists(spec):  # a symlink loop or a dangling link: the file's problem
+        from ..core.readers import read_text
+
+        read_text(spec, "dataset file")
     if os.path.isfile(spec):
         rows, lines = check_data_file(spec)
         cols = set().union(*(r.keys() for r in rows))
@@ -220,6 +224,9 @@ def check_rows(rows, cols: set[str], where) -> None:
                     for m in value)):
                 raise ValueError(f"{where(i)}: field 'messages' must be a non-empty list of "
                                  "{\"role\": ..., \"content\": \"...\"} objects with string content")
+            if field == "messages" and not any(m["role"] == "assistant" for m in value):
+                raise ValueError(f"{where(i)}: field 'messages' has no assistant turn (the text to train on); roles: "
+                                 f"{[m['role'] for m in value]}")
 
 
 def normalise_columns(ds, name: str | None = None):
@@ -338,8 +345,8 @@ def model_overrides(arch: str, recipe: dict, args: argparse.Namespace, fields: d
                 out[name] = value
     for name, annotation in fields.items():
         text = getattr(args, name)
-        if text is not None:
-            out[name] = parse_model_value(annotation, text)
+        if text is not None:  # a command-line word, or a value given from Python (`train(model=...)`)
+            out[name] = parse_model_value(annotation, text) if isinstance(text, str) else text
     TaH2Config(**out)  # ValueError naming the field, before any data or weights are loaded
     return out
 
@@ -435,6 +442,23 @@ def clear_output_dir(path: str) -> None:
     print(f"note: cleared --output-dir {path!r} (--overwrite-output-dir)", file=sys.stderr)
 
 
+def check_resume_matches(checkpoint: str, overrides: dict) -> None:
+    """A checkpoint resumed with other loop settings (a `--arch standard` run resumed as tah2) has other modules and
+    optimizer groups; say which settings differ instead of the optimizer's "parameter group doesn't match"."""
+    from ..core.readers import read_json
+
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        return  # a LoRA checkpoint holds adapters only; the Trainer reports what it cannot load
+    saved = read_json(path, "checkpoint config", expect=dict)
+    normal = {k: json.loads(json.dumps(v, default=str)) for k, v in overrides.items()}  # tuples → lists, as saved
+    differ = {k: (saved[k], v) for k, v in normal.items() if k in saved and saved[k] != v}
+    if differ:
+        shown = ", ".join(f"{k}={a!r} in the checkpoint, {b!r} in this run" for k, (a, b) in sorted(differ.items()))
+        raise ValueError(f"--resume-from-checkpoint {checkpoint!r} was trained with other loop settings ({shown}); "
+                         "resume with the same --arch and settings, or start a new --output-dir")
+
+
 def _none_or(convert):
     def parse(text):
         if isinstance(text, str) and text.strip().lower() in NONE_WORDS:
@@ -504,6 +528,46 @@ def run(argv: list[str] | None = None):
     --resume-from-checkpoint; the final model, trainer_state.json, train_results.json and run_config.json (the resolved
     arguments) are written to a temporary directory and moved in with config.json last, so the directory never shows
     a new config.json beside old weights."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fields = model_fields()
+    args, rest = build_parser(fields).parse_known_args(argv)
+    return _train(args, rest, argv, fields)
+
+
+def train(base: str, dataset: str, output_dir: str, arch: str = "tah2", *, model: dict | None = None,
+          trainer: dict | None = None, **options):
+    """Post-train `base` on `dataset` into `output_dir` from Python; returns the trainer (as `hf-loops train` does).
+
+    model: TaH2Config loop fields (`{"max_iterations": 3, "exit_threshold": 0.5}`), over the `arch` preset and the
+        recipe. trainer: TaH2SFTConfig / TrainingArguments fields (`{"max_steps": 30, "learning_rate": 1e-3}`), over
+        the recipe. options: the command's own options by their Python names (`tokenizer`, `recipe`, `eval_dataset`,
+        `dtype`, `lora`, `resume_from_checkpoint`, `overwrite_output_dir`, `push_to_hub`, ...).
+    Every value is checked as on the command line: an unknown name is a `ValueError` naming the closest valid one."""
+    import difflib
+
+    fields = model_fields()
+    parser = build_parser(fields)
+    args = parser.parse_args(["--base", os.fspath(base), "--dataset", os.fspath(dataset), "--output-dir",
+                              os.fspath(output_dir), "--arch", arch])
+    script = {a.dest for a in parser._actions} - set(fields) - {"help"}
+    for kind, values, allowed in (("option", options, script), ("model field", model or {}, set(fields))):
+        for name, value in values.items():
+            if name not in allowed:
+                close = difflib.get_close_matches(name, sorted(allowed), n=1)
+                raise ValueError(f"train: unknown {kind} {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            setattr(args, name, os.fspath(value) if isinstance(value, os.PathLike) else value)
+    if args.resume_from_checkpoint is True:
+        args.resume_from_checkpoint = "true"
+    argv = ["--base", args.base, "--dataset", args.dataset, "--output-dir", args.output_dir, "--arch", arch]
+    from ..core.outdir import output_lock
+
+    with output_lock(args.output_dir, "output_dir"):  # a second run into the same directory is refused
+        return _train(args, [], argv, fields, dict(trainer or {}))
+
+
+def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields: dict | None = None):
+    """The run behind `run` (command line) and `train` (Python): `args` holds the script's options and the model's
+    loop fields, `rest` the trainer fields as command-line words, `trainer_fields` the trainer fields as values."""
     from transformers import set_seed
 
     from ..conversion.checks import load_tokenizer
@@ -511,11 +575,8 @@ def run(argv: list[str] | None = None):
     from .tah2_trainer import TaH2SFTTrainer
     from .token_budget import apply_token_budget, pop_token_budget
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    fields = model_fields()
-    args, rest = build_parser(fields).parse_known_args(argv)
     check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    recipe = load_recipe(args.recipe)
+    recipe = {**load_recipe(args.recipe), **(trainer_fields or {})}  # Python values over the recipe file's
     recipe_given = dict(recipe)
     budget = pop_token_budget(recipe, rest)  # max_tokens_per_batch, global_batch_size: batching, not trainer fields
     overrides = model_overrides(args.arch, recipe, args, fields)
@@ -562,6 +623,8 @@ def run(argv: list[str] | None = None):
         from .checkpoints import last_complete_checkpoint
 
         resume = last_complete_checkpoint(args.output_dir)
+    if resume:
+        check_resume_matches(resume, overrides)
     result = trainer.train(resume_from_checkpoint=resume)
 
     state_dict = final_state_dict(trainer)  # a collective under FSDP: every rank takes part

@@ -117,3 +117,14 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_runs(da
     with output_lock(str(out)):  # released with its process (fcntl locks die with their holder)
         pass
     assert not os.path.exists(lock_path(str(out)))
+
+
+def test_resuming_a_standard_run_as_tah2_names_the_settings(data, tmp_path, capsys):
+    run = tmp_path / "std"
+    assert train_main(_argv(data, run, "--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
+                            arch="standard")) == 0
+    capsys.readouterr()
+    assert train_main(_argv(data, run, "--resume-from-checkpoint", "true")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "was trained with other loop settings" in last and "max_iterations=1 in the checkpoint, 2 in this run" \
+        in last, last
