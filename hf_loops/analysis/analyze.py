@@ -48,8 +48,9 @@ RESIDUAL_STATS = {
 
 def default_dataset_path() -> str | None:
     """The vendored GSM8K test problems (hf_loops/data/gsm8k), when the package ships them."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "gsm8k",
-                        "gsm8k_test_100.jsonl")
+    from ..data import gsm8k_path
+
+    here = gsm8k_path()
     return here if os.path.isfile(here) else None
 
 

@@ -3,26 +3,15 @@ file (and line or field) and says what was expected, before the expensive work s
 
 from __future__ import annotations
 
-import json
 import os
+
+from ..core.readers import read_json
 
 
 def read_json_file(path: str | os.PathLike, what: str = "") -> dict:
-    """A JSON object from `path`; a missing file, invalid JSON or a non-object → `ValueError` naming the file."""
-    path = os.fspath(path)
-    label = f"{what} {path!r}".strip()
-    if not os.path.isfile(path):
-        raise ValueError(f"{label} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{label}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{label}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{label}: expected a JSON object {{...}}, got a JSON {type(value).__name__}")
-    return value
+    """A JSON object from `path`; a missing file, bytes that are not UTF-8, invalid JSON or a non-object →
+    `ValueError` naming the file and line (`hf_loops.core.readers`)."""
+    return read_json(path, what, expect=dict)
 
 
 def check_config_json(folder: str) -> dict:

@@ -10,7 +10,6 @@ No network is needed for either.
 
 from __future__ import annotations
 
-import json
 import os
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -33,8 +32,9 @@ def gsm8k_path() -> str:
 
 def load_gsm8k(rows: range | None = None) -> list[dict]:
     """The vendored GSM8K problems as dicts, optionally only the given rows (e.g. `EVAL_ROWS`)."""
-    with open(gsm8k_path(), encoding="utf-8") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
+    from ..core.readers import read_jsonl
+
+    problems = read_jsonl(gsm8k_path(), "vendored GSM8K file")[0]
     return problems if rows is None else [problems[i] for i in rows]
 
 
