@@ -249,24 +249,19 @@ def load_model(path: str, dtype=None):
 
 
 def run_name(model) -> str:
-    cfg = model.config
-    if getattr(cfg, "model_type", "") == "tah2":
-        M = cfg.max_iterations
-        if M == 1:
-            return "Standard (M=1)"
-        kind = {"learned": "TaH2", "always": "TaH2-fixed"}.get(getattr(cfg, "decider", ""), "TaH2-" + str(cfg.decider))
-        return f"{kind} (M={M})"
-    return {"qwen3": "Qwen3", "spiralformer": "SpiralFormer", "sgt": "SGT"}.get(cfg.model_type, cfg.model_type)
+    """The model's display name in tables (the architecture registry's, e.g. "TaH2 (M=2)", "Standard (M=1)")."""
+    from .conversion.registry import display_name
+
+    return display_name(model.config)
 
 
 def _loop_kwargs(model, max_iterations, exit_threshold) -> dict:
-    if getattr(model.config, "model_type", "") != "tah2":
-        return {}
-    kw = {}
-    if max_iterations is not None:
-        kw["max_iterations"] = int(max_iterations)
-    if exit_threshold is not None:
-        kw["exit_threshold"] = float(exit_threshold)
+    """The per-call loop knobs given (None: the checkpoint's own); a knob the model does not take is refused, not
+    dropped (an SGT model evaluated "with --max-iterations 3" would otherwise report its own depth's numbers)."""
+    from .inference import check_loop_knobs
+
+    kw = {k: v for k, v in (("max_iterations", max_iterations), ("exit_threshold", exit_threshold)) if v is not None}
+    check_loop_knobs(model, kw)
     return kw
 
 

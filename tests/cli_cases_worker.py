@@ -31,6 +31,25 @@ def run_case(main, case):
         return {"rc": rc, "stdout": out.read(), "stderr": err.read()}
 
 
+def run_table(cases: dict, root, timeout: int = 600) -> dict:
+    """Run a bad-input table {name: (argv, cwd, ...)} through `hf_loops.cli.main` in one subprocess (this file);
+    returns {name: {"rc", "stdout", "stderr"}}. The package of this checkout comes before any installed copy."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = [{"name": n, "argv": a, "cwd": str(c)} for n, (a, c, *_rest) in cases.items()]
+    cases_path, results_path = os.path.join(root, "cases.json"), os.path.join(root, "results.json")
+    with open(cases_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), cases_path, results_path], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(results_path) as f:
+        return json.load(f)
+
+
 def main():
     cases_path, results_path = sys.argv[1:3]
     from hf_loops.cli import main as cli_main

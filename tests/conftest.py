@@ -48,3 +48,10 @@ def shared_dir():
     if not os.path.isdir(SHARED):
         pytest.skip("../shared is not present")
     return SHARED
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back): the modes new files and folders get."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

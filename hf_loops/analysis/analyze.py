@@ -490,6 +490,14 @@ def _residual_figures(acc: _Accumulator, save: _Figures, groupings, result) -> N
                                            "(paper Fig. 19)")
 
 
+def _reports_depth(config) -> bool:
+    """Whether the architecture decides a depth per token (the registry's `reports_depth`: TaH2)."""
+    from ..conversion.registry import ARCHITECTURES
+
+    spec = ARCHITECTURES.get(getattr(config, "model_type", ""))
+    return bool(spec is not None and spec.reports_depth)
+
+
 def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_length, progress, name,
                   max_depth_map_texts, groupings) -> dict:
     """Trace every text, then write the figures, metrics.json and report.md into `out`."""
@@ -499,7 +507,7 @@ def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_
     if not encoded:
         raise ValueError("every input text tokenises to fewer than 2 tokens")
     bos = getattr(tokenizer, "bos_token_id", None)
-    if cfg.model_type == "tah2" and recurrences is None:
+    if _reports_depth(cfg) and recurrences is None:
         recurrences = cfg.max_iterations  # every token forced to depth M: all steps exist for every sequence
     longest = max(len(ids) for ids in encoded)
     if recurrences is not None:
@@ -527,7 +535,7 @@ def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_
     if "fixed_point" in metrics:
         _fixed_points(model, encoded, t_fp, device, progress, result, findings, save, save.plots,
                       with_attention="attention" in metrics, max_length=max_length)
-    if "depth" in metrics and cfg.model_type == "tah2":
+    if "depth" in metrics and _reports_depth(cfg):
         _tah2_depth(model, tokenizer, encoded, device, progress, result, findings, save, save.plots, out,
                     max_depth_map_texts, save.described)
     result["figures"] = save.described

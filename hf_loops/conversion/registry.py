@@ -39,6 +39,8 @@ class ArchitectureSpec:
     import_native(source_dir, allow_pickle, **config_overrides): a model from a directory already in the
         architecture's own published layout (the authors' TaH2 checkpoints), or None when it is not one.
     flops: the architecture's FLOPs module (`hf_loops.core.flops_*`), imported on first use.
+    display(config): the name of a model of this architecture in tables ("TaH2 (M=2)"); None: `short_name`.
+    short_name: the architecture's name in words ("SpiralFormer").
     """
 
     name: str
@@ -58,12 +60,23 @@ class ArchitectureSpec:
     finish: Callable | None = None
     import_native: Callable | None = None
     flops_module: str = ""
+    display: Callable | None = None
+    short_name: str = ""
 
     @property
     def flops(self):
         import importlib
 
         return importlib.import_module(self.flops_module, __package__) if self.flops_module else None
+
+
+def _tah2_display(config) -> str:
+    """Standard (M=1): the one-pass baseline; TaH2 / TaH2-fixed (always continue) / TaH2-<decider> with its M."""
+    if config.max_iterations == 1:
+        return "Standard (M=1)"
+    decider = getattr(config, "decider", "")
+    kind = {"learned": "TaH2", "always": "TaH2-fixed"}.get(decider, f"TaH2-{decider}")
+    return f"{kind} (M={config.max_iterations})"
 
 
 @torch.no_grad()
@@ -108,7 +121,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
                         "core_adapter", "exit_kv_fill"),
         new_module_prefixes=("updater.", "decider.", "core_adapter."),
         one_loop_logits=_tah2_one_loop_logits, parity_setting="max_iterations=1", reports_depth=True,
-        import_native=_tah2_import_native, flops_module="..core.flops_tah2",
+        import_native=_tah2_import_native, flops_module="..core.flops_tah2", display=_tah2_display,
+        short_name="TaH2",
     ),
     "spiralformer": ArchitectureSpec(
         name="spiralformer", config_class=SpiralFormerConfig, model_class=SpiralFormerForCausalLM,
@@ -122,7 +136,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         new_module_prefixes=("model.scorers.", "model.allocators.", "model.routers."),
         one_loop_logits=spiralformer_one_loop_logits, parity_setting="chunk_sizes=[1], one core pass",
         build=convert_spiralformer, convert_options=("layer_map", "core_init"),
-        flops_module="..core.flops_spiralformer",
+        flops_module="..core.flops_spiralformer", short_name="SpiralFormer",
     ),
     "sgt": ArchitectureSpec(
         name="sgt", config_class=SGTConfig, model_class=SGTForCausalLM,
@@ -135,9 +149,19 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         summary_fields=("loop_mode", "loop_plan", "heads_per_layer", "max_loop_depth"),
         new_module_prefixes=(),  # SGT adds no parameters
         one_loop_logits=sgt_one_loop_logits, parity_setting="loop depths 0",
-        convert_options=("calibration",), finish=_sgt_finish, flops_module="..core.flops_sgt",
+        convert_options=("calibration",), finish=_sgt_finish, flops_module="..core.flops_sgt", short_name="SGT",
     ),
 }
+
+
+def display_name(config) -> str:
+    """The display name of a model with `config`: its architecture's (`ArchitectureSpec.display`), "Qwen3" for the
+    plain source models, the model_type otherwise."""
+    model_type = getattr(config, "model_type", "")
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        return {"qwen3": "Qwen3"}.get(model_type, model_type)
+    return spec.display(config) if spec.display is not None else spec.short_name or spec.name
 
 
 def get_spec(arch: str) -> ArchitectureSpec:

@@ -28,8 +28,9 @@ def is_user_error(err: BaseException) -> bool:
     return isinstance(err, (ValueError, OSError) + _yaml_error_types())
 
 
-def one_line(err: BaseException) -> str:
-    """The message of `err` on one line (an OSError shows its errno text and the path it names)."""
+def one_line(err: BaseException, last: bool = False) -> str:
+    """The message of `err` on one line (an OSError shows its errno text and the path it names); `last`: only its last
+    line (a bug's message: the line that says what failed)."""
     if isinstance(err, OSError) and err.strerror:
         text = err.strerror if err.filename is None else f"{err.filename}: {err.strerror}"
     else:
@@ -42,7 +43,7 @@ def one_line(err: BaseException) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
-    return " ".join(lines) if len(lines) <= 3 else lines[-1]
+    return " ".join(lines) if len(lines) <= 3 and not last else lines[-1]
 
 
 def _close_progress_bars() -> None:
@@ -75,6 +76,6 @@ def run_command(func, *args, debug: bool = False) -> int:
         if is_user_error(err):
             print(f"\nerror: {one_line(err)}", file=sys.stderr)
             return 2
-        print(f"\n{type(err).__name__}: {one_line(err)} {DEBUG_HINT}", file=sys.stderr)
+        print(f"\n{type(err).__name__}: {one_line(err, last=True)} {DEBUG_HINT}", file=sys.stderr)
         return 1
     return 0 if code is None else int(code)

@@ -16,6 +16,8 @@ from unittest import mock
 
 import pytest
 import torch
+from cli_cases_worker import run_table
+from conftest import umask as _umask
 from conversion_helpers import qwen3_dir, tiny_qwen3, tiny_tokenizer, write_official_tah2
 
 from hf_loops.conversion import convert_qwen3, export
@@ -194,15 +196,7 @@ def results(w):
         pytest.skip("/sys is writable here")
     cases = _cases(w)
     before = {"file": (w["root"] / "a_file").read_bytes(), "busy": _tree(w["root"] / "busy")}
-    spec = [{"name": n, "argv": a, "cwd": str(c)} for n, (a, c, *_r) in cases.items()]
-    path = w["root"] / "cases.json"
-    path.write_text(json.dumps(spec))
-    # the package of this checkout (the tests' parent directory) before any installed copy
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([HERE, REPO]))
-    res = subprocess.run([sys.executable, os.path.join(HERE, "cli_cases_worker.py"), str(path),
-                          str(w["root"] / "results.json")], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads((w["root"] / "results.json").read_text()), before
+    return run_table(cases, w["root"], timeout=300), before
 
 
 CASE_NAMES = [
@@ -322,12 +316,6 @@ def test_sigkill_leftovers_are_named_and_removed_by_the_next_export(tmp_path, ca
     assert not dead.exists() and alive.exists()
     assert f"removing '{dead}'" in capsys.readouterr().err
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~_umask()
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def test_existing_empty_directory_is_never_rmdir_ed(tmp_path):

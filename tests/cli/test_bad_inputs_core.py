@@ -5,11 +5,10 @@ the file, line, field or value; nothing half-written; earlier output intact. The
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_cases_worker import run_table
 from conversion_helpers import CALIBRATION_TEXT, qwen3_dir, tiny_qwen3, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
@@ -17,8 +16,6 @@ from transformers import PreTrainedTokenizerFast
 from hf_loops.conversion import convert_qwen3, export
 from hf_loops.core.outdir import TMP_PREFIX
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers and helpers
-REPO = os.path.dirname(HERE)
 CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -203,14 +200,7 @@ def results(w):
     if os.access("/sys", os.W_OK) and os.geteuid() != 0:
         pytest.skip("/sys is writable here")
     before = {"busy": (w["root"] / "busy" / "keep.txt").read_text()}
-    spec = [{"name": n, "argv": a, "cwd": str(c)} for n, (a, c, *_r) in _cases(w).items()]
-    path = w["root"] / "cases.json"
-    path.write_text(json.dumps(spec))
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([HERE, REPO]))
-    res = subprocess.run([sys.executable, os.path.join(HERE, "cli_cases_worker.py"), str(path),
-                          str(w["root"] / "results.json")], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads((w["root"] / "results.json").read_text()), before
+    return run_table(_cases(w), w["root"]), before
 
 
 CASE_NAMES = [
@@ -247,6 +237,7 @@ def test_bad_input(results, w, name):
     if absent is not None:
         assert not (w["root"] / absent).exists()
     root = w["root"]
+    # no temporary folder or lock file left (the table's own cases.json / results.json are not dot-files)
     assert not [n for n in os.listdir(root) if n.startswith((TMP_PREFIX, ".")) and n != ".cache"], os.listdir(root)
     assert (root / "busy" / "keep.txt").read_text() == before["busy"]  # earlier output intact
     if name == "analyze_out_dot":

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import umask as _umask
 
 from hf_loops.core import errors, numbers, readers
 from hf_loops.core.outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, lock_path, output_lock
@@ -134,12 +135,6 @@ def test_yaml_errors_are_user_errors(capsys):
 
 
 # --- output directories -----------------------------------------------------------------------------------------------
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
 
 def test_overwrite_swaps_a_complete_result_in_and_keeps_the_old_on_failure(tmp_path):
     out = tmp_path / "out"
