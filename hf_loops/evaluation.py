@@ -344,14 +344,13 @@ def _decider_counts(model, prompt_ids, answer_ids, loop_kw):
     """(correct, total) decisions per boundary m against lookahead labels on one example (no padding), or None."""
     import torch
 
-    from .training.tah2_trainer import tah2_joint_loss
+    from .training.tah2_trainer import decider_accuracy_counts, label_settings, tah2_joint_loss
 
     cfg = model.config
     M = loop_kw.get("max_iterations", cfg.max_iterations)
     if getattr(cfg, "decider", "") != "learned" or M < 2:
         return None
-    args = argparse.Namespace(lookahead=True, coverage=0.99, cost_min=1e-6, cost_max=1.0, beta_clamp=(0.02, 50.0),
-                              bce_margin=0.0, decider_loss_weight=0.05)
+    args = label_settings()  # the training defaults, not a copy of them
     ids = torch.tensor([prompt_ids + answer_ids])
     labels = ids.clone()
     labels[:, :len(prompt_ids)] = -100
@@ -362,16 +361,9 @@ def _decider_counts(model, prompt_ids, answer_ids, loop_kw):
     rec = getattr(outputs, "loop_records", None)
     if labels_d is None or rec is None:
         return None
-    thr = torch.logit(torch.tensor(float(loop_kw.get("exit_threshold", cfg.exit_threshold))))
-    counts = {}
-    for m in range(1, M):
-        c, terms = labels_d.continue_labels[m - 1], labels_d.bce_mask[m - 1]
-        if m - 1 >= len(rec.decider_logits):
-            counts[m] = (0, int(terms.sum()))
-            continue
-        pred = rec.decider_logits[m - 1].detach() > thr
-        counts[m] = (int(((pred == c) & terms).sum()), int(terms.sum()))
-    return counts
+    counts = decider_accuracy_counts(rec.decider_logits, labels_d, loop_kw.get("exit_threshold", cfg.exit_threshold),
+                                     M)
+    return {m: (int(correct), int(total)) for m, (correct, total) in counts.items()}
 
 
 def _gsm8k_spans(texts: list[str]) -> list[tuple[str, int, int]]:

@@ -155,17 +155,13 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits:
         bce_sum = decider_bce_sum(rec.decider_logits, labels_d, margin=args.bce_margin).to(ntp.device)
         loss = ntp + args.decider_loss_weight * bce_sum / n
         metrics["decider_loss"] = (bce_sum.detach(), n_local)
-        threshold_logit = torch.logit(torch.tensor(core.config.exit_threshold))
+        accuracy = decider_accuracy_counts(rec.decider_logits, labels_d, core.config.exit_threshold, M)
         for m in range(1, M):
             c, terms = labels_d.continue_labels[m - 1], labels_d.bce_mask[m - 1]
             metrics[f"delta_cut@{m}"] = (torch.tensor(labels_d.delta_cut[m - 1]), one)
             metrics[f"beta@{m}"] = (torch.tensor(labels_d.beta[m - 1]), one)
             metrics[f"label_continue_rate@{m}"] = ((c & terms).sum(), terms.sum())
-            if m - 1 < len(rec.decider_logits):
-                pred = rec.decider_logits[m - 1].detach() > threshold_logit
-                metrics[f"decider_acc@{m}"] = (((pred == c) & terms).sum(), terms.sum())
-            else:
-                metrics[f"decider_acc@{m}"] = (torch.zeros(()), terms.sum())
+            metrics[f"decider_acc@{m}"] = accuracy[m]
         outputs.depth_labels = labels_d
     if exit_gate:  # Ouro Stage II (Eq. 11): the gate alone learns, from soft targets; the backbone is frozen
         gate_sum = ouro_gate_loss_sum(outputs.loop_records, args.gate_sharpness, args.gate_margin).to(ntp.device)
@@ -177,6 +173,35 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits:
 def metric_values(metrics: dict) -> dict:
     """The per-micro-batch value of each `tah2_joint_loss` metric (numerator ÷ denominator; 0 when empty)."""
     return {k: float(num) / float(den) if float(den) > 0 else 0.0 for k, (num, den) in metrics.items()}
+
+
+def decider_accuracy_counts(decider_logits, depth_labels, exit_threshold: float, M: int) -> dict:
+    """{m: (correct, total)} per boundary m = 1..M-1: the decider's decision (continue when its logit exceeds
+    logit(τ)) against the lookahead continue label, over the tokens the BCE supervises. A boundary the decider never
+    reached counts its labelled tokens as wrong."""
+    threshold_logit = torch.logit(torch.tensor(float(exit_threshold)))
+    counts = {}
+    for m in range(1, M):
+        c, terms = depth_labels.continue_labels[m - 1], depth_labels.bce_mask[m - 1]
+        if m - 1 < len(decider_logits):
+            pred = decider_logits[m - 1].detach() > threshold_logit.to(decider_logits[m - 1].device)
+            counts[m] = (((pred == c) & terms).sum(), terms.sum())
+        else:
+            counts[m] = (torch.zeros(()), terms.sum())
+    return counts
+
+
+def label_settings(lookahead: bool = True):
+    """The lookahead-label settings of a default `TaH2SFTConfig` (ρ, cost clips, β clamp, margin, α_D), for
+    measuring the decider outside training (`hf-loops eval`) with the labels training would use."""
+    import argparse
+    import dataclasses
+
+    d = {f.name: f.default for f in dataclasses.fields(TaH2SFTConfig)}
+    clamp = None if d["beta_clamp_min"] is None else (d["beta_clamp_min"], d["beta_clamp_max"])
+    return argparse.Namespace(lookahead=lookahead, coverage=d["coverage"], cost_min=d["cost_min"],
+                              cost_max=d["cost_max"], beta_clamp=clamp, bce_margin=d["bce_margin"],
+                              decider_loss_weight=d["decider_loss_weight"])
 
 
 class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
