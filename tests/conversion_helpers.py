@@ -36,6 +36,16 @@ def qwen3_dir(path, seed=0, tokenizer=True, **overrides):
     return str(path), q
 
 
+def chat_base(path, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}"):
+    """A tiny tied-embedding Qwen3 directory whose tokenizer has a (minimal) chat template, as `train`/`eval` need;
+    returns (path, tokenizer)."""
+    base, _ = qwen3_dir(path, tie_word_embeddings=True)
+    tok = tiny_tokenizer()
+    tok.chat_template = chat_template
+    tok.save_pretrained(base)
+    return base, tok
+
+
 class Qwen3MLPIterDecider:
     """Stands in for the authors' class object: pickled by reference, so `weights_only=True` refuses the file."""
 

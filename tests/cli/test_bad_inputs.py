@@ -18,7 +18,7 @@ import pytest
 import torch
 from cli_cases_worker import run_table
 from conftest import umask as _umask
-from conversion_helpers import qwen3_dir, tiny_qwen3, tiny_tokenizer, write_official_tah2
+from conversion_helpers import chat_base, qwen3_dir, tiny_qwen3, write_official_tah2
 
 from hf_loops.conversion import convert_qwen3, export
 from hf_loops.conversion.export import TMP_PREFIX, atomic_output_dir, check_output_dir
@@ -52,10 +52,7 @@ def _tree(path):
 def w(tmp_path_factory):
     """Tiny checkpoints of every kind, and broken copies of them."""
     root = tmp_path_factory.mktemp("bad_inputs")
-    base, _ = qwen3_dir(root / "base", tie_word_embeddings=True)
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT
-    tok.save_pretrained(base)
+    base, tok = chat_base(root / "base", CHAT)
     q = tiny_qwen3(tie_word_embeddings=True)
     for arch, extra in (("tah2", {}), ("spiralformer", {"chunk_sizes": [2, 1], "num_pre_layers": 1, "num_loop_layers": 1, "num_post_layers": 0}), ("sgt", {})):
         export(convert_qwen3(q, arch, seed=0, **extra), root / arch, tokenizer=tok)

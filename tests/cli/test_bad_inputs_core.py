@@ -5,11 +5,13 @@ the file, line, field or value; nothing half-written; earlier output intact. The
 import json
 import os
 import re
+import stat
 
 import pytest
 import torch
 from cli_cases_worker import run_table
-from conversion_helpers import CALIBRATION_TEXT, qwen3_dir, tiny_qwen3, tiny_tokenizer
+from conftest import umask
+from conversion_helpers import CALIBRATION_TEXT, chat_base, tiny_qwen3, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
@@ -36,10 +38,7 @@ def _big_tokenizer():
 @pytest.fixture(scope="module")
 def w(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_inputs_core")
-    base, _ = qwen3_dir(root / "base", tie_word_embeddings=True)
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT
-    tok.save_pretrained(base)
+    base, tok = chat_base(root / "base", CHAT)
     export(convert_qwen3(tiny_qwen3(tie_word_embeddings=True), "tah2", seed=0), root / "tah2", tokenizer=tok)
     # the same checkpoint without its decider's weights
     export(convert_qwen3(tiny_qwen3(tie_word_embeddings=True), "tah2", seed=0), root / "no_decider", tokenizer=tok)
@@ -118,6 +117,8 @@ def _cases(w):
                                 r"latin1\.jsonl:9: not UTF-8 text \(byte 0xe9", "t6"),
         "train_messages_without_assistant": (train("t7", dataset="no_assistant"), r, 2,
                                              r"no_assistant\.jsonl:4: field 'messages' has no assistant turn", "t7"),
+        "train_dataset_symlink_loop": (train("t8", dataset="loop"), r, 2,
+                                       r"loop\.jsonl' cannot be read: Too many levels of symbolic links", "t8"),
         # --- pretrain: checked before any work ----------------------------------------------------------------------
         "pretrain_grad_clip_negative": (pretrain("p1", "--grad-clip", "-1"), r, 2, r"--grad-clip must be > 0, got -1",
                                         "p1"),
@@ -206,6 +207,7 @@ def results(w):
 CASE_NAMES = [
     "train_learning_rate_inf", "train_num_train_epochs_nan", "train_gradient_accumulation_0",
     "train_recipe_python_tag", "train_recipe_yaml_syntax", "train_non_utf8_line", "train_messages_without_assistant",
+    "train_dataset_symlink_loop",
     "pretrain_grad_clip_negative", "pretrain_lr_inf", "pretrain_vocab_size_5", "pretrain_seq_len_over_positions",
     "pretrain_tokenizer_nowhere", "pretrain_out_unwritable", "pretrain_out_not_empty",
     "convert_tokenizer_larger_than_model", "convert_calibration_dir", "convert_calibration_non_utf8",
@@ -240,9 +242,10 @@ def test_bad_input(results, w, name):
     # no temporary folder or lock file left (the table's own cases.json / results.json are not dot-files)
     assert not [n for n in os.listdir(root) if n.startswith((TMP_PREFIX, ".")) and n != ".cache"], os.listdir(root)
     assert (root / "busy" / "keep.txt").read_text() == before["busy"]  # earlier output intact
-    if name == "analyze_out_dot":
+    if name == "analyze_out_dot":  # `.` is kept (not rmdir-ed) and filled, with the modes the umask gives
         here = root / "empty_here"
         assert {"metrics.json", "report.md"} <= set(os.listdir(here)), os.listdir(here)
+        assert stat.S_IMODE((here / "metrics.json").stat().st_mode) == 0o666 & ~umask()
 
 
 # --- the Python API -------------------------------------------------------------------------------------------------
