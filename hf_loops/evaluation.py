@@ -255,12 +255,22 @@ def run_name(model) -> str:
     return display_name(model.config)
 
 
-def _loop_kwargs(model, max_iterations, exit_threshold) -> dict:
+def _loop_kwargs(model, max_iterations, exit_threshold, only_supported: bool = False) -> dict:
     """The per-call loop knobs given (None: the checkpoint's own); a knob the model does not take is refused, not
-    dropped (an SGT model evaluated "with --max-iterations 3" would otherwise report its own depth's numbers)."""
+    dropped (an SGT model evaluated "with --max-iterations 3" would otherwise report its own depth's numbers).
+    `only_supported`: a baseline's knobs — those it does not take are left out, with a note."""
+    import inspect
+
     from .inference import check_loop_knobs
 
     kw = {k: v for k, v in (("max_iterations", max_iterations), ("exit_threshold", exit_threshold)) if v is not None}
+    if only_supported:
+        accepted = inspect.signature(model.forward).parameters
+        dropped = sorted(k for k in kw if k not in accepted)
+        if dropped:
+            print(f"note: the {model.config.model_type!r} baseline has no {', '.join(dropped)}; evaluated as is",
+                  file=sys.stderr)
+        kw = {k: v for k, v in kw.items() if k in accepted}
     check_loop_knobs(model, kw)
     return kw
 
@@ -384,9 +394,11 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
              split: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, answer_pattern: str = "gsm8k",
              max_iterations: int | None = None, exit_threshold: float | None = None, stop_strings=None,
-             decider_accuracy: bool = True, progress: bool = True, name: str | None = None) -> dict:
+             decider_accuracy: bool = True, progress: bool = True, name: str | None = None,
+             baseline: bool = False) -> dict:
     """Evaluate one model (an instance or a checkpoint path/id) on `examples` or `dataset`; returns a JSON-able dict
-    {"name", "model", "metrics", "examples"} (see the module docstring for the metrics)."""
+    {"name", "model", "metrics", "examples"} (see the module docstring for the metrics). Loop knobs the model does not
+    take are refused, unless `baseline` (then they are left out for it)."""
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -403,7 +415,7 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
     check_int("batch_size", batch_size, 1)
     check_int("max_new_tokens", max_new_tokens, 1)
     model.eval()
-    loop_kw = _loop_kwargs(model, max_iterations, exit_threshold)
+    loop_kw = _loop_kwargs(model, max_iterations, exit_threshold, only_supported=baseline)
     M = loop_kw.get("max_iterations", getattr(model.config, "max_iterations", 1))
     label = f"eval {name or run_name(model)}"
     tokenized = _tokenize_all(tokenizer, examples)
@@ -789,13 +801,13 @@ def cmd_eval(args, argv: Sequence[str] | None = None) -> int:
         check_checkpoint_path(ckpt)  # every checkpoint named is checked before the first is evaluated
     with output_dir(args.out, args.overwrite) as tmp:  # refuses a non-empty --out before any work
         results = []
-        for ckpt in ([args.baseline] if args.baseline else []) + [args.checkpoint]:
+        for i, ckpt in enumerate(([args.baseline] if args.baseline else []) + [args.checkpoint]):
             results.append(evaluate(ckpt, examples=examples, dataset=args.dataset, split=args.split,
                                     batch_size=args.batch_size,
                                     max_new_tokens=args.max_new_tokens, answer_pattern=args.answer_pattern,
                                     max_iterations=args.max_iterations, exit_threshold=args.exit_threshold,
                                     stop_strings=args.stop, decider_accuracy=not args.no_decider_accuracy,
-                                    progress=not args.no_progress))
+                                    progress=not args.no_progress, baseline=bool(args.baseline) and i == 0))
         command = "hf-loops eval " + shlex.join(list(argv)) if argv is not None else None
         table = write_eval(results, tmp, command=command)
     print(table)

@@ -286,3 +286,16 @@ def test_sgt_calibration_text_still_reads(tmp_path):
     path = tmp_path / "calib.txt"
     path.write_text(CALIBRATION_TEXT)
     assert sum(s.shape[1] for s in calibration_ids(str(path), tiny_tokenizer())) > 2
+
+
+def test_eval_loop_knobs_are_refused_for_a_model_without_them_but_left_out_for_a_baseline(w, tmp_path, capsys):
+    from hf_loops.evaluation import main
+
+    base, data = w["base"], w["data"]["good"]
+    common = ["--dataset", data, "--split", "train[:1]", "--max-new-tokens", "1", "--no-progress",
+              "--no-decider-accuracy", "--max-iterations", "2"]
+    assert main([base, *common, "--out", str(tmp_path / "a")]) == 2
+    assert "'qwen3' model has no max_iterations" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "a").exists()
+    assert main([str(w["root"] / "tah2"), "--baseline", base, *common, "--out", str(tmp_path / "b")]) == 0
+    assert "note: the 'qwen3' baseline has no max_iterations; evaluated as is" in capsys.readouterr().err
