@@ -76,15 +76,16 @@ def read_json(path: str | os.PathLike, what: str = "", expect: type | tuple[type
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "", objects: bool = True) -> tuple[list, list[int] | None]:
-    """Rows of a JSON Lines file (one value per line, blank lines skipped) or of a file holding one JSON list (its
-    name ends in `.json` or its text starts with `[`). Returns (rows, line number of each row); the line numbers are
-    None for a JSON list. With `objects`, every row must be a JSON object. An empty file is an error."""
+    """Rows of a JSON Lines file (one value per line, blank lines skipped; `.json` files in this form too, as
+    `datasets` reads them) or of a file holding one JSON list (its text starts with `[`). Returns (rows, line number
+    of each row); the line numbers are None for a JSON list. With `objects`, every row must be a JSON object. An
+    empty file is an error."""
     path = os.fspath(path)
     text = read_text(path, what)
     label = _label(path, what)
     if not text.strip():
         raise ValueError(f"{label} is empty: expected one JSON object per line")
-    if path.endswith(".json") or text.lstrip().startswith("["):
+    if text.lstrip().startswith("["):
         rows = _parse(text, path)
         if not isinstance(rows, list):
             raise ValueError(f"{label}: expected a JSON list, got a JSON {_kind(rows)}")

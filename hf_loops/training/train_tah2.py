@@ -149,26 +149,15 @@ def load_training_dataset(spec: str, split: str = "train"):
 
 
 def check_data_file(path: str) -> tuple[list[dict], list[int] | None]:
-    """Parse a local JSON Lines (or JSON list) file: an empty file, a malformed line or a row that is not an object →
-    `ValueError` with the file and line. Returns the rows and the line number of each (None for a JSON list)."""
-    from ..core.readers import read_text
+    """Parse a local JSON Lines (or JSON list) file: an empty file, bytes that are not UTF-8, a malformed line or a row
+    that is not an object → `ValueError` with the file and line (`core.readers`). Returns the rows and the line number
+    of each (None for a JSON list)."""
+    from ..core.readers import read_jsonl, read_text
 
     text = read_text(path, "dataset file")  # a byte that is not UTF-8 is named here (file, line), not inside datasets
-    if not text.strip():
-        raise ValueError(f"dataset file {path!r} is empty: expected one JSON object per line")
     stripped = text.lstrip()
-    if stripped.startswith("["):  # one JSON list of objects
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: invalid JSON (column {err.colno}: {err.msg})") from None
-        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
-        if bad is not None:
-            raise ValueError(f"{path}: item {bad + 1} of the JSON list is not an object {{...}}")
-        if not rows:
-            raise ValueError(f"dataset file {path!r} is an empty JSON list: expected objects")
-        return rows, None
-    if "\n" in text.strip():  # a pretty-printed JSON object (one row, or columns of lists) rather than JSON Lines
+    if stripped and not stripped.startswith("[") and "\n" in text.strip():
+        # a pretty-printed JSON object (one row, or columns of lists) rather than JSON Lines
         try:
             whole = json.loads(text)
         except json.JSONDecodeError:
@@ -176,20 +165,7 @@ def check_data_file(path: str) -> tuple[list[dict], list[int] | None]:
         if isinstance(whole, dict):
             columnar = whole and all(isinstance(v, list) for v in whole.values())
             return ([], None) if columnar else ([whole], [text[:len(text) - len(stripped)].count("\n") + 1])
-    rows, lines = [], []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: invalid JSON (column {err.colno}: {err.msg}); expected one JSON object "
-                             "per line") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object {{...}}, got a JSON {type(row).__name__}")
-        rows.append(row)
-        lines.append(number)
-    return rows, lines
+    return read_jsonl(path, "dataset file")
 
 
 def _required_fields(cols: set[str]) -> dict[str, tuple[type, ...]]:
