@@ -93,6 +93,8 @@ def _class_name(obj) -> str:
     if isinstance(obj, str):
         return obj.rsplit(".", 1)[-1]
     if isinstance(obj, dict) and "__type__" in obj:  # tah_config.json's serialisation of a class
+        if "__name__" in obj:  # the authors' form: {"__type__": true, "__module__": ..., "__name__": ...}
+            return str(obj["__name__"])
         return str(obj["__type__"]).rsplit(".", 1)[-1]
     if isinstance(obj, type):
         return obj.__name__

@@ -344,6 +344,9 @@ def test_import_honours_or_refuses_every_field(tmp_path, caplog):
     assert all(p.requires_grad for p in m.decider.parameters())
     m = import_tah2(variant("evalsame", lambda t: t.update(eval_iter_decider="iter_decider")))
     assert m.config.decider == "learned"
+    as_type = {"__type__": True, "__module__": "tah2.model.iter_decider", "__name__": "Qwen3MLPIterDecider"}
+    m = import_tah2(variant("typed", lambda t: t.update(iter_decider=as_type)))  # their serialised class form
+    assert m.config.decider == "learned"
     # reported, not fatal
     _, text = _hf_warnings(caplog, lambda: import_tah2(variant("warm", lambda t: t["iter_decider_kwargs"].update(
         base_warmup_steps=100))))
