@@ -730,6 +730,8 @@ class TaH2Model(TaH2PreTrainedModel):
             if collect is not None and collect.attentions is not None:
                 with collect.attention_weights_of(layer):
                     hidden = call(hidden)
+            elif checkpoint and isinstance(cache, StreamView):  # cross-depth K/V in and out of the checkpoint
+                hidden = cache.checkpointed(self._gradient_checkpointing_func, call, hidden, layer.self_attn.layer_idx)
             else:
                 hidden = self._gradient_checkpointing_func(call, hidden) if checkpoint else call(hidden)
         return hidden
