@@ -728,6 +728,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 
     # --- forward ------------------------------------------------------------------------------------------------------
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -875,6 +876,10 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 
 class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
+    # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: SpiralFormerConfig):
         super().__init__(config)
@@ -908,6 +913,7 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            return_dict=True,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))

@@ -736,6 +736,7 @@ class TaH2Model(TaH2PreTrainedModel):
                 hidden = self._gradient_checkpointing_func(call, hidden) if checkpoint else call(hidden)
         return hidden
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -781,6 +782,10 @@ class TaH2Model(TaH2PreTrainedModel):
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
+    # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: TaH2Config):
         super().__init__(config)

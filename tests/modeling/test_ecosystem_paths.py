@@ -4,7 +4,9 @@ per-depth buffers growing only with the depth actually reached."""
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import re
 import tracemalloc
 
 import pytest
@@ -106,3 +108,98 @@ def test_tah2_reentrant_checkpointing_is_exact_for_other_visibility_modes(overri
     _, ref = _loss_and_grads(build(), ids, None)
     _, grads = _loss_and_grads(build(), ids, True)
     assert _worst_relative_difference(grads, ref) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# return_dict=False (transformers' `can_return_tuple` convention, as Qwen3Model / Qwen3ForCausalLM)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _base_and_causal(arch):
+    causal = BUILDERS[arch](2)
+    base_class = {"tah2": TaH2Model, "spiralformer": SpiralFormerModel, "sgt": SGTModel}[arch]
+    torch.manual_seed(0)
+    return base_class(copy.deepcopy(causal.config)).eval(), causal
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_return_dict_false_gives_the_tuple_of_the_output_fields(arch):
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    for model in _base_and_causal(arch):
+        with torch.no_grad():
+            as_dict = model(ids, use_cache=False)
+            as_tuple = model(ids, use_cache=False, return_dict=False)
+        assert isinstance(as_tuple, tuple) and not hasattr(as_tuple, "keys"), type(model).__name__
+        assert len(as_tuple) == len(as_dict.to_tuple())
+        for a, b in zip(as_tuple, as_dict.to_tuple()):
+            if torch.is_tensor(a):
+                assert torch.equal(a, b)
+        first = as_dict.last_hidden_state if hasattr(as_dict, "last_hidden_state") else as_dict.logits
+        assert torch.equal(as_tuple[0], first)
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_config_return_dict_false_is_honoured_and_the_causal_lm_still_runs(arch):
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
+    for model in _base_and_causal(arch):
+        with torch.no_grad():
+            ref = model(ids, use_cache=False).to_tuple()[0]
+        model.config.return_dict = False
+        with torch.no_grad():
+            out = model(ids, use_cache=False)
+        assert isinstance(out, tuple) and torch.equal(out[0], ref), type(model).__name__
+        with torch.no_grad():  # an explicit return_dict=True wins over the config
+            assert torch.equal(model(ids, use_cache=False, return_dict=True).to_tuple()[0], ref)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tensor- and pipeline-parallel plans: Qwen3's coverage of the backbone and the LM head; the loop's modules replicated
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def plan_style(plan: dict, param_name: str):
+    """The plan entry that applies to a parameter, found the way transformers' `verify_tp_plan` does: layer indices
+    become `*`, then the parameter's own name or its module's name is looked up."""
+    import re
+
+    generic = re.sub(r"\d+", "*", param_name)
+    if generic in plan:
+        return plan[generic]
+    parent = generic.rsplit(".", 1)[0]
+    return plan.get(parent)
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_tp_plan_covers_every_parameter_qwen3s_plan_covers_and_replicates_the_loop_modules(arch):
+    qwen = tiny_qwen3(0)
+    model = BUILDERS[arch](2)
+    q_plan, plan = qwen.tp_plan, model.tp_plan
+    assert plan.get("lm_head") == q_plan["lm_head"] == "colwise_gather_output"
+    q_names = dict(qwen.named_parameters())
+    covered_by_qwen = {n: plan_style(q_plan, n) for n in q_names if plan_style(q_plan, n) is not None}
+    assert len(covered_by_qwen) >= 9 * qwen.config.num_hidden_layers  # q/k/v/o, q/k norms, gate/up/down per layer
+    ours = dict(model.named_parameters())
+    shared = [n for n in covered_by_qwen if n in ours]
+    assert len(shared) >= 9 * 2, "the backbone keeps Qwen3's parameter names"
+    for name in shared:
+        assert plan_style(plan, name) == covered_by_qwen[name], name
+    # Every Qwen3-named parameter of ours that the Qwen3 plan would shard is sharded the same way; the loop's own
+    # modules (updater, decider, SpiralFormer's scalers and routers, SGT's extras) are not in the plan: replicated.
+    for name in ours:
+        if plan_style(q_plan, name) is not None:
+            assert plan_style(plan, name) == plan_style(q_plan, name), name
+        elif not name.startswith(("model.embed_tokens", "lm_head")):
+            assert plan_style(plan, name) is None, name
+    assert type(model)._tp_plan == Qwen3ForCausalLM._tp_plan and type(model)._pp_plan == Qwen3ForCausalLM._pp_plan
+    assert model.pp_plan.keys() == qwen.pp_plan.keys()
+    assert model.model.tp_plan == qwen.model.tp_plan and model.model.pp_plan == qwen.model.pp_plan
+    assert model.supports_tp_plan and model.supports_pp_plan
+
+
+def test_tah2_tp_plan_includes_the_lm_head_and_leaves_updater_and_decider_replicated():
+    model = tiny_tah2(max_iterations=2)
+    assert TaH2ForCausalLM._tp_plan["lm_head"] == "colwise_gather_output"
+    assert "lm_head" in model.tp_plan
+    loop_params = [n for n, _ in model.named_parameters() if n.startswith(("updater.", "decider."))]
+    assert loop_params and all(plan_style(model.tp_plan, n) is None for n in loop_params)
+    assert not any(fnmatch.fnmatch(n, pattern) for n in loop_params for pattern in model.tp_plan)
