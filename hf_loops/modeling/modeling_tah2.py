@@ -692,7 +692,8 @@ class TaH2Model(TaH2PreTrainedModel):
     """The shared backbone F (embeddings, all Qwen3 decoder layers, final norm) — Qwen3Model's names and weights.
 
     Called on its own (e.g. via `AutoModel`) it runs one pass, exactly like `Qwen3Model`; the iteration loop needs the
-    LM head (the decider reads next-token probabilities) and lives in `TaH2ForCausalLM`.
+    LM head (the decider reads next-token probabilities) and lives in `TaH2ForCausalLM`. As the backbone of a looped
+    `TaH2ForCausalLM` it refuses a direct call unless given `max_iterations=1` (see `_refuse_outside_the_loop`).
     """
 
     def __init__(self, config: TaH2Config):
@@ -704,7 +705,26 @@ class TaH2Model(TaH2PreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.is_loop_backbone = False  # set by TaH2ForCausalLM: its forward, not this one, runs the loop
         self.post_init()
+
+    def _refuse_outside_the_loop(self, max_iterations) -> None:
+        """The backbone of a looped `TaH2ForCausalLM` runs only inside its loop. Called on its own it gives depth 1,
+        which is what TRL's fused LM head (SFT, DPO, GRPO, RLOO, KTO trainers: `model.base_model` then `lm_head`)
+        would train or score in place of the mixture, with the updater and decider never trained. Refuse that;
+        `max_iterations=1` asks for the one pass on purpose."""
+        owner_loops = self.is_loop_backbone and (self.config.max_iterations > 1 or self.config.loop_span is not None)
+        if max_iterations not in (None, 1):
+            raise ValueError(f"TaH2Model runs one backbone pass: max_iterations must be 1 or omitted, got "
+                             f"{max_iterations!r} (the depth loop is TaH2ForCausalLM's)")
+        if owner_loops and max_iterations is None:
+            raise ValueError(
+                f"TaH2Model.forward is one backbone pass, not TaH2's depth loop (max_iterations="
+                f"{self.config.max_iterations}): a trainer that calls the backbone and the LM head itself, as TRL's "
+                "fused LM head does in SFTTrainer/DPOTrainer/GRPOTrainer, would train a depth-1 model and never the "
+                "updater or decider; train with hf_loops.training.TaH2SFTTrainer (or call TaH2ForCausalLM, whose loss "
+                "is the mixture's), or pass max_iterations=1 to run the one backbone pass on purpose"
+            )
 
     def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect=None, span=None):
         """One pass of the decoder layers (no final norm) with `cache` as the layers' cache object: all of them, or
@@ -750,6 +770,7 @@ class TaH2Model(TaH2PreTrainedModel):
         output_attentions=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        self._refuse_outside_the_loop(kwargs.pop("max_iterations", None))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -790,6 +811,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     def __init__(self, config: TaH2Config):
         super().__init__(config)
         self.model = TaH2Model(config)
+        self.model.is_loop_backbone = True
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.updater = TaH2Updater(config) if config.updater == "learned" else None
