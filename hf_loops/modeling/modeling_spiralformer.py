@@ -118,7 +118,8 @@ class _SlotLayout:
             self.pre, self.post, self.core = 0, 0, n_post
         self.n_pre, self.n_loop, self.n_post, self.T = n_pre, n_loop, n_post, T
         self.bookkeeping = n_pre + T * n_loop + n_post
-        self.total = self.bookkeeping + T
+        self.inputs = self.bookkeeping + T  # the token stream's inputs, kept so that a crop can be rebuilt exactly
+        self.total = self.bookkeeping + T + 1
 
     def pre_offset(self) -> int:
         return self.pre  # physical index l → slot l
@@ -158,7 +159,7 @@ class SpiralCoreLayer(CacheLayerMixin):
     permute the per-row lists (rows may share tensors until they diverge)."""
 
     is_sliding = False
-    is_croppable = False  # a chunk closed by a dropped token cannot be "un-closed"; SpiralStateLayer refuses instead
+    is_croppable = True  # a crop marks the decode state stale; the model then rebuilds every loop slot exactly
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -262,9 +263,10 @@ class SpiralCoreLayer(CacheLayerMixin):
 class SpiralStateLayer(DynamicLayer):
     """Decode state of one iteration, packed fp32 (b, 1, 1, 2 + 2d + g) = [m, Z, S, v_last, β_last] in `keys`
     (`values` aliases it), so reorder / repeat / select move it like K/V. `seen` (host int) counts the tokens it
-    covers; any crop sets it to None because the open-chunk accumulators cannot be rolled back."""
+    covers; any crop sets it to None: the open-chunk accumulators cannot be rolled back token by token, so the next
+    forward rebuilds the loop slots from the kept tokens' stored inputs (`SpiralFormerModel._rebuild_after_crop`)."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -603,6 +605,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         """Give the cache its SpiralFormer slots (generate builds a plain `DynamicCache`); a prefill (empty cache) also
         starts fresh ragged rows. Returns the number of cached tokens."""
         ensure_cache_slots(cache, self.layout.total)
+        if type(cache.layers[self.layout.inputs]) is not DynamicLayer:
+            cache.layers[self.layout.inputs] = DynamicLayer()
         wanted = [(i, SpiralCoreLayer) for i in self.layout.core_slots()]
         wanted += [(self.layout.state_slot(t), SpiralStateLayer) for t in range(self.layout.T)]
         for i, cls in wanted:
@@ -618,18 +622,44 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
                 cache.layers[i].start(batch_size)
             for t in range(self.layout.T):
                 cache.layers[self.layout.state_slot(t)].reset()
+            inputs = cache.layers[self.layout.inputs]
+            if inputs.get_seq_length() > 0:
+                inputs.crop(-inputs.get_seq_length())
         return past
 
     def _check_state(self, cache, past: int) -> None:
-        """The decode state must cover exactly the cached tokens: a cropped cache (assisted / prompt-lookup decoding)
-        cannot roll back the open-chunk accumulators, so it is refused instead of giving a silently different answer."""
+        """The decode state must cover exactly the cached tokens (a crop is rebuilt before this check); a cache edited
+        some other way is refused instead of giving a silently different answer."""
         seen = cache.layers[self.layout.state_slot(0)].seen  # host int: no device sync
         if seen != past:
             raise ValueError(
                 f"SpiralFormer decode state covers {'a cropped cache' if seen is None else f'{seen} tokens'} but the "
-                f"cache holds {past}: cropping or editing a SpiralFormer cache (assisted or prompt-lookup decoding) "
-                "is not supported"
+                f"cache holds {past}: a SpiralFormer cache can be cropped (`cache.crop`), not edited otherwise"
             )
+
+    def _record_inputs(self, cache, x, position_ids) -> None:
+        """Keep the token stream's inputs (scaled embeddings) and RoPE positions of every cached token."""
+        pos = position_ids.to(torch.float32)[:, None, :, None]  # exact up to 2^24
+        cache.layers[self.layout.inputs].update(x[:, None], pos)
+
+    def _rebuild_after_crop(self, cache, key_valid, past: int, **kwargs) -> None:
+        """After `cache.crop`: the open-chunk accumulators and the closed latents of the kept tokens cannot be rolled
+        back token by token, so every slot is rebuilt by prefilling the kept tokens again from their stored inputs —
+        the very computation that decoding the shorter prefix runs. Costs one prefill of the kept tokens per crop."""
+        inputs = cache.layers[self.layout.inputs]
+        if inputs.get_seq_length() != past:
+            raise ValueError(f"SpiralFormer cache holds {past} tokens but the inputs of {inputs.get_seq_length()}: "
+                             "a SpiralFormer cache can be cropped (`cache.crop`), not edited otherwise")
+        x, pos = inputs.keys[:, 0], inputs.values[:, 0, :, 0].long()
+        for i in self.layout.token_slots():
+            layer = cache.layers[i]
+            if layer.get_seq_length() > 0:
+                layer.crop(-layer.get_seq_length())
+        for i in self.layout.core_slots():
+            cache.layers[i].start(x.shape[0])
+        for t in range(self.layout.T):
+            cache.layers[self.layout.state_slot(t)].reset()
+        self._forward_full(x, key_valid, pos, cache, True, **kwargs)
 
     def cache_bytes(self, cache) -> dict:
         """Bytes held by a SpiralFormer cache: `tokens` (pre/post K/V, b × width columns each), `core` (the ragged
@@ -795,6 +825,10 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         if collect is not None and past > 0:
             raise ValueError("output_hidden_states needs a full forward (no past cache) in SpiralFormer: decoding "
                              "steps run the loops incrementally and have no per-layer stream to return")
+        if cache is not None:
+            if past > 0 and cache.layers[self.layout.state_slot(0)].seen is None:  # cropped since the last call
+                self._rebuild_after_crop(cache, key_valid[:, :past], past, **kwargs)
+            self._record_inputs(cache, x, position_ids)
         if past == 0:
             h = self._forward_full(x, key_valid, position_ids, cache, use_cache, collect=collect, **kwargs)
         else:

@@ -12,7 +12,8 @@ import tracemalloc
 import pytest
 import torch
 from tah2_helpers import script_decider, tiny_qwen3, tiny_tah2
-from transformers import Qwen3ForCausalLM, Qwen3Model
+from transformers import Qwen3ForCausalLM
+from transformers.cache_utils import DynamicCache
 
 from hf_loops import SGTConfig, SGTForCausalLM, SpiralFormerConfig, SpiralFormerForCausalLM
 from hf_loops.modeling.modeling_sgt import SGTModel
@@ -27,8 +28,8 @@ def half_continue(embeds, hidden=None):
     return torch.where(embeds[..., 0] > 0, 0.9, 0.1)
 
 
-def tah2_model(M: int = 2, **overrides):
-    return script_decider(tiny_tah2(max_iterations=M, decisive=False, **overrides), half_continue)
+def tah2_model(M: int = 2, seed: int = 0, **overrides):
+    return script_decider(tiny_tah2(seed, max_iterations=M, decisive=False, **overrides), half_continue)
 
 
 def spiral_model(M: int = 2, seed: int = 0, **overrides):
@@ -203,3 +204,73 @@ def test_tah2_tp_plan_includes_the_lm_head_and_leaves_updater_and_decider_replic
     loop_params = [n for n, _ in model.named_parameters() if n.startswith(("updater.", "decider."))]
     assert loop_params and all(plan_style(model.tp_plan, n) is None for n in loop_params)
     assert not any(fnmatch.fnmatch(n, pattern) for n in loop_params for pattern in model.tp_plan)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cache crop: decoding after `crop` equals decoding the shorter prefix; assisted decoding and prompt lookup
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _decode(model, ids, mask, chunks, cache):
+    """Feed `ids` to `cache` call by call, each call ending at the next of `chunks`; the last position's logits."""
+    out, start = None, cache.get_seq_length()
+    for end in chunks:
+        out = model(ids[:, start:end], attention_mask=mask[:, :end], cache=cache, use_cache=True).logits[:, -1:]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+@pytest.mark.parametrize("prefill,extend,remove", [(14, 4, 5), (9, 6, 2), (11, 1, 1), (12, 0, 3)])
+def test_crop_then_decode_equals_decoding_the_shorter_prefix(arch, prefill, extend, remove):
+    """Left-padded batch of two; the crop lands in the last extension call or inside the prefill."""
+    model = BUILDERS[arch](2)
+    ids = torch.randint(3, VOCAB, (2, 22), generator=torch.Generator().manual_seed(prefill + remove))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kept = prefill + extend - remove
+    cache = DynamicCache()
+    with torch.no_grad():
+        _decode(model, ids, mask, [prefill, prefill + extend] if extend else [prefill], cache)
+        cache.crop(-remove)
+        assert cache.get_seq_length() == kept
+        got = _decode(model, ids, mask, [kept + 3, kept + 4], cache)  # a multi-token call, then one token
+        want = _decode(model, ids, mask, [kept, kept + 3, kept + 4], DynamicCache())
+        full = model(ids[:, :kept + 4], attention_mask=mask[:, :kept + 4], use_cache=False).logits[:, -1:]
+    assert (got - want).abs().max() <= 1e-5
+    assert (got - full).abs().max() <= 1e-4
+
+
+def _count_crops(monkeypatch):
+    from hf_loops.modeling.cache_tah2 import TaH2Cache
+
+    calls = []
+    for cls in (DynamicCache, TaH2Cache):
+        original = cls.crop
+
+        def counted(self, n, _original=original):
+            calls.append(n)
+            return _original(self, n)
+
+        monkeypatch.setattr(cls, "crop", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_assisted_decoding_and_prompt_lookup_give_the_greedy_tokens(arch, monkeypatch):
+    model = BUILDERS[arch](2)
+    assistant = tah2_model(2, seed=7) if arch == "tah2" else BUILDERS[arch](2, seed=7)  # a different model: rejections
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(3, VOCAB, (1, 5), generator=g)
+    prompt = torch.cat([base, base, base[:, :3]], dim=1)  # repeated n-grams: prompt lookup has candidates
+    crops = _count_crops(monkeypatch)
+    with torch.no_grad():
+        greedy = model.generate(prompt, max_new_tokens=14, do_sample=False)
+        assert not crops
+        assisted = model.generate(prompt, max_new_tokens=14, do_sample=False, assistant_model=assistant)
+        assert any(n < 0 for n in crops), "assisted decoding rejected no draft token: the test proves nothing"
+        crops.clear()
+        lookup = model.generate(prompt, max_new_tokens=14, do_sample=False, prompt_lookup_num_tokens=3)
+        assert any(n < 0 for n in crops), "prompt lookup rejected no candidate: the test proves nothing"
+    assert torch.equal(assisted, greedy)
+    assert torch.equal(lookup, greedy)
