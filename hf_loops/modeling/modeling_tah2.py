@@ -535,14 +535,15 @@ class _LoopRecorder:
 
 class _DepthTrace:
     """Per-token outputs of the loop: executed (or, under Q-exit, output) depth, continue probabilities, per-depth
-    hidden states, and the rows the backbone computed at each depth."""
+    hidden states, and the rows the backbone computed at each depth. Every per-depth buffer grows with the depths
+    actually run, never with `max_iterations` (which may be far larger than the depth any token reaches)."""
 
     def __init__(self, run: "_LoopSetup", want_hidden: bool):
         B, T, _ = run.embeds.shape
         device = run.embeds.device
         self.run, self.want_hidden = run, want_hidden
         self.iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
-        self.continue_probs = torch.full((B, T, max(run.max_iterations - 1, 0)), float("nan"), device=device)
+        self.continue_probs = torch.full((B, T, 0), float("nan"), device=device)  # one column per decision depth
         self.iteration_hidden: list = []
         self.rows_per_depth: list = []
         self.first_pass = None
@@ -563,6 +564,9 @@ class _DepthTrace:
         if self.want_hidden:
             self.iteration_hidden.append(torch.zeros_like(self.run.embeds).index_put(index, step.hidden))
         if not step.last:
+            if self.continue_probs.shape[-1] < step.depth:
+                self.continue_probs = F.pad(self.continue_probs, (0, step.depth - self.continue_probs.shape[-1]),
+                                            value=float("nan"))
             self.continue_probs = self.continue_probs.index_put(
                 index + (torch.full_like(index[0], step.depth - 1),), step.continue_prob.detach())
 
@@ -630,7 +634,8 @@ class TaH2CausalLMOutput(ModelOutput):
     logits: log-probabilities of the stopping-weighted mixture at the kept positions (fp32); with
         `max_iterations == 1` the raw Qwen3 logits (same distribution, bit-exact with Qwen3).
     iter_counts: (B, T) executed depth m_t of every token (0 for padding).
-    continue_probs: (B, T, M−1) decider continue probability g after each depth, NaN where not executed.
+    continue_probs: (B, T, K) decider continue probability g after each depth, NaN where not executed; K = min(M − 1,
+        deepest executed depth): one column per depth after which some token's decider ran.
     hidden_states: with `output_hidden_states=True`, the depth-1 pass per layer, as Qwen3 returns them (embeddings,
         outputs of layers 1..L−1, final-normed output).
     attentions: with `output_attentions=True` (eager attention), the depth-1 pass's weights per layer.

@@ -274,3 +274,77 @@ def test_assisted_decoding_and_prompt_lookup_give_the_greedy_tokens(arch, monkey
         assert any(n < 0 for n in crops), "prompt lookup rejected no candidate: the test proves nothing"
     assert torch.equal(assisted, greedy)
     assert torch.equal(lookup, greedy)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TaH2's per-depth buffers grow with the depth reached, not with max_iterations
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the bytes of the largest tensor any operator produces while active (CPU-robust: no allocator stats)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def stop_at_depth(model, depth: int):
+    """A scripted decider: every token continues after depths < `depth` and stops after `depth`."""
+    seen = {"calls": 0}
+
+    def continue_logit(embeds, hidden, logits):
+        seen["calls"] += 1
+        g = 0.9 if seen["calls"] < depth else 0.1
+        return torch.logit(torch.full(embeds.shape[:1], g, dtype=torch.float32, device=embeds.device))
+
+    def reset():
+        seen["calls"] = 0
+
+    model._continue_logit = continue_logit
+    return reset
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_a_huge_max_iterations_costs_what_the_reached_depth_costs(labels):
+    model = tiny_tah2(max_iterations=2, decisive=False)
+    reset = stop_at_depth(model, 2)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    outs, largest = {}, {}
+    for M in (2, 10**9):
+        reset()
+        with torch.no_grad(), LargestTensor() as spy:
+            outs[M] = model(ids, attention_mask=mask, labels=ids if labels else None, max_iterations=M,
+                            use_cache=False, return_mixture_logits=labels)
+        largest[M] = spy.largest
+    small, huge = outs[2], outs[10**9]
+    assert torch.equal(small.iter_counts, huge.iter_counts) and int(huge.iter_counts.max()) == 2
+    assert torch.equal(small.logits, huge.logits)
+    if labels:
+        assert torch.equal(small.loss, huge.loss)
+    # M = 2: the decision after depth 1 only; M = 10**9: also the (stop) decision after depth 2
+    assert small.continue_probs.shape == (2, 9, 1) and huge.continue_probs.shape == (2, 9, 2)
+    torch.testing.assert_close(small.continue_probs, huge.continue_probs[..., :1], equal_nan=True)
+    assert largest[10**9] <= largest[2] * 1.01, largest
+
+
+def test_continue_probs_width_is_the_deepest_executed_depth_capped_at_m_minus_1():
+    model = tiny_tah2(max_iterations=4, decisive=False)
+    reset = stop_at_depth(model, 3)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        for M, width in [(1, 0), (2, 1), (3, 2), (4, 3), (6, 3)]:
+            reset()
+            out = model(ids, max_iterations=M, use_cache=False)
+            assert int(out.iter_counts.max()) == min(M, 3)
+            assert out.continue_probs.shape[-1] == width, (M, out.continue_probs.shape)
+            assert not torch.isnan(out.continue_probs).any()  # every token ran every depth up to the stop
