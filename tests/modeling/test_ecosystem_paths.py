@@ -111,6 +111,26 @@ def test_tah2_reentrant_checkpointing_is_exact_for_other_visibility_modes(overri
     assert _worst_relative_difference(grads, ref) < 1e-6
 
 
+def test_tah2_lora_with_reentrant_checkpointing_is_exact():
+    """PEFT LoRA with reentrant checkpointing (what TRL forces for PEFT + ZeRO-3 in GRPO), through transformers'
+    current entry point `activation_checkpointing_enable`."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    grads = {}
+    for reentrant in (None, True):
+        torch.manual_seed(0)
+        model = get_peft_model(tah2_model(3).double(), LoraConfig(target_modules=["q_proj", "k_proj", "v_proj"], r=2,
+                                                                  init_lora_weights=False))
+        model.train()
+        if reentrant is not None:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads[reentrant] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(grads[None]) == 2 * 3 * 2  # A and B of q/k/v in both layers
+    assert _worst_relative_difference(grads[True], grads[None]) < 1e-6
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # return_dict=False (transformers' `can_return_tuple` convention, as Qwen3Model / Qwen3ForCausalLM)
 # ----------------------------------------------------------------------------------------------------------------------
