@@ -663,14 +663,16 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 
     def cache_bytes(self, cache) -> dict:
         """Bytes held by a SpiralFormer cache: `tokens` (pre/post K/V, b × width columns each), `core` (the ragged
-        core K/V: exactly Σ_rows Σ_t N_loop·C_t,row latents), `state` (decode state) and `kv` = tokens + core."""
+        core K/V: exactly Σ_rows Σ_t N_loop·C_t,row latents), `state` (decode state), `inputs` (the token stream's
+        inputs and positions, which make `crop` exact) and `kv` = tokens + core."""
         def dense(i):
             layer = cache.layers[i]
             return 0 if not layer.is_initialized else sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
 
         out = {"tokens": sum(dense(i) for i in self.layout.token_slots()),
                "core": sum(cache.layers[i].nbytes() for i in self.layout.core_slots()),
-               "state": sum(dense(self.layout.state_slot(t)) // 2 for t in range(self.layout.T))}  # keys is values
+               "state": sum(dense(self.layout.state_slot(t)) // 2 for t in range(self.layout.T)),  # keys is values
+               "inputs": dense(self.layout.inputs) if self.layout.inputs < len(cache.layers) else 0}
         out["kv"] = out["tokens"] + out["core"]
         return out
 

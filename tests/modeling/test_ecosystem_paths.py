@@ -259,6 +259,8 @@ def test_crop_then_decode_equals_decoding_the_shorter_prefix(arch, prefill, exte
         full = model(ids[:, :kept + 4], attention_mask=mask[:, :kept + 4], use_cache=False).logits[:, -1:]
     assert (got - want).abs().max() <= 1e-5
     assert (got - full).abs().max() <= 1e-4
+    if arch == "spiralformer":  # the kept inputs (fp32 embeddings + one position each) are what makes crop exact
+        assert model.model.cache_bytes(cache)["inputs"] == 2 * (kept + 4) * (model.config.hidden_size + 1) * 4
 
 
 def _count_crops(monkeypatch):
