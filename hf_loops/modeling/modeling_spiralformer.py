@@ -209,6 +209,13 @@ class SpiralCoreLayer(CacheLayerMixin):
     def row_lengths(self) -> list[int]:
         return [0 if x is None else x.shape[-2] for x in self.row_keys]
 
+    def trim(self, lengths: list[int]) -> None:
+        """Row r keeps its first lengths[r] latents (a crop back into the latest decoding call)."""
+        for store in (self.row_keys, self.row_values):
+            for r, n in enumerate(lengths):
+                if store[r] is not None and store[r].shape[-2] > n:
+                    store[r] = store[r][..., :n, :] if n > 0 else None
+
     def nbytes(self) -> int:
         """Bytes of K and V actually held (tensors shared by several rows after a beam reorder count once)."""
         seen, total = set(), 0
@@ -263,14 +270,21 @@ class SpiralCoreLayer(CacheLayerMixin):
 class SpiralStateLayer(DynamicLayer):
     """Decode state of one iteration, packed fp32 (b, 1, 1, 2 + 2d + g) = [m, Z, S, v_last, β_last] in `keys`
     (`values` aliases it), so reorder / repeat / select move it like K/V. `seen` (host int) counts the tokens it
-    covers; any crop sets it to None: the open-chunk accumulators cannot be rolled back token by token, so the next
-    forward rebuilds the loop slots from the kept tokens' stored inputs (`SpiralFormerModel._rebuild_after_crop`)."""
+    covers.
+
+    Crop: the open-chunk accumulators cannot be recomputed backwards, so the layer keeps, for the tokens of the latest
+    decoding call only, the state before each of them and the core rows' latent counts (`snapshot`). A crop back into
+    that call restores them (`pending_lengths` tells the model how far to cut the core rows at its next call); a
+    deeper crop (into a prefill, or an earlier call) sets `seen` to None and the next forward rebuilds the loop slots
+    from the kept tokens' stored inputs (`SpiralFormerModel._rebuild_after_crop`). Both are exact."""
 
     is_croppable = True
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.seen: int | None = None
+        self.history: dict[int, tuple] = {}  # seen -> (packed state, core row lengths) before that token
+        self.pending_lengths: list[int] | None = None
 
     def store(self, packed: torch.Tensor, seen: int) -> None:
         if not self.is_initialized:
@@ -278,13 +292,44 @@ class SpiralStateLayer(DynamicLayer):
         self.keys = self.values = packed
         self.seen = seen
 
+    def snapshot(self, core_lengths: list[int]) -> None:
+        """Remember the state as it is before the next token (tensors are replaced, never written in place)."""
+        if self.seen is not None:
+            self.history[self.seen] = (self.keys, list(core_lengths))
+
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
+        if tokens_to_remove == 0:
+            return
+        target = None if self.seen is None else self.seen - abs(tokens_to_remove)
+        if target is None or target not in self.history:
+            self.seen, self.history, self.pending_lengths = None, {}, None
+            return
+        packed, self.pending_lengths = self.history[target]
+        self.keys = self.values = packed
+        self.seen = target
+        self.history = {k: v for k, v in self.history.items() if k < target}
+
+    def _invalidate(self) -> None:
+        """A batch operation: the snapshots (and any pending core cut) no longer match the rows."""
+        if self.pending_lengths is not None:
             self.seen = None
+        self.history, self.pending_lengths = {}, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._invalidate()
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._invalidate()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._invalidate()
+        super().batch_select_indices(indices)
 
     def reset(self) -> None:
         super().reset()
-        self.seen = None
+        self.seen, self.history, self.pending_lengths = None, {}, None
 
 
 class _CoreCacheView:
@@ -642,6 +687,20 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         pos = position_ids.to(torch.float32)[:, None, :, None]  # exact up to 2^24
         cache.layers[self.layout.inputs].update(x[:, None], pos)
 
+    def _finish_crop(self, cache, key_valid, past: int, **kwargs) -> None:
+        """Bring the loop slots in line with a `cache.crop` since the last call: cut the core rows back to the
+        restored snapshot, or rebuild everything when the crop went deeper than the snapshots; then start this call's
+        snapshots afresh (only the latest call's tokens are kept)."""
+        states = [cache.layers[self.layout.state_slot(t)] for t in range(self.layout.T)]
+        if any(state.seen is None for state in states):
+            self._rebuild_after_crop(cache, key_valid, past, **kwargs)
+            return
+        for t, state in enumerate(states):
+            if state.pending_lengths is not None:
+                for l in range(self.layout.n_loop):
+                    cache.layers[self.layout.core_slot(t, l)].trim(state.pending_lengths)
+            state.history, state.pending_lengths = {}, None
+
     def _rebuild_after_crop(self, cache, key_valid, past: int, **kwargs) -> None:
         """After `cache.crop`: the open-chunk accumulators and the closed latents of the kept tokens cannot be rolled
         back token by token, so every slot is rebuilt by prefilling the kept tokens again from their stored inputs —
@@ -710,6 +769,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         lam = math.sqrt(g)
         b, _, d = h.shape
         state = cache.layers[self.layout.state_slot(t)]
+        state.snapshot(cache.layers[self.layout.core_slot(t, 0)].row_lengths())  # host ints: no device sync
         m, Z, S, v_last, beta_last = self._unpack_state(t, state.keys)
 
         def read(v_last, beta_last):
@@ -828,8 +888,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             raise ValueError("output_hidden_states needs a full forward (no past cache) in SpiralFormer: decoding "
                              "steps run the loops incrementally and have no per-layer stream to return")
         if cache is not None:
-            if past > 0 and cache.layers[self.layout.state_slot(0)].seen is None:  # cropped since the last call
-                self._rebuild_after_crop(cache, key_valid[:, :past], past, **kwargs)
+            if past > 0:
+                self._finish_crop(cache, key_valid[:, :past], past, **kwargs)
             self._record_inputs(cache, x, position_ids)
         if past == 0:
             h = self._forward_full(x, key_valid, position_ids, cache, use_cache, collect=collect, **kwargs)

@@ -240,10 +240,24 @@ def _decode(model, ids, mask, chunks, cache):
     return out
 
 
+def _count_rebuilds(monkeypatch):
+    """SpiralFormer: how many crops were undone by re-prefilling (the others restored the latest call's snapshots)."""
+    calls = []
+    original = SpiralFormerModel._rebuild_after_crop
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2] if len(args) > 2 else None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpiralFormerModel, "_rebuild_after_crop", counted)
+    return calls
+
+
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
-@pytest.mark.parametrize("prefill,extend,remove", [(14, 4, 5), (9, 6, 2), (11, 1, 1), (12, 0, 3)])
-def test_crop_then_decode_equals_decoding_the_shorter_prefix(arch, prefill, extend, remove):
+@pytest.mark.parametrize("prefill,extend,remove", [(14, 4, 5), (9, 6, 2), (11, 1, 1), (12, 0, 3), (10, 5, 5)])
+def test_crop_then_decode_equals_decoding_the_shorter_prefix(arch, prefill, extend, remove, monkeypatch):
     """Left-padded batch of two; the crop lands in the last extension call or inside the prefill."""
+    rebuilds = _count_rebuilds(monkeypatch)
     model = BUILDERS[arch](2)
     ids = torch.randint(3, VOCAB, (2, 22), generator=torch.Generator().manual_seed(prefill + remove))
     mask = torch.ones_like(ids)
@@ -261,6 +275,8 @@ def test_crop_then_decode_equals_decoding_the_shorter_prefix(arch, prefill, exte
     assert (got - full).abs().max() <= 1e-4
     if arch == "spiralformer":  # the kept inputs (fp32 embeddings + one position each) are what makes crop exact
         assert model.model.cache_bytes(cache)["inputs"] == 2 * (kept + 4) * (model.config.hidden_size + 1) * 4
+        # a crop within the last extension call restores its snapshots; a deeper one re-prefills the kept tokens
+        assert len(rebuilds) == (0 if remove <= extend else 1), rebuilds
 
 
 def _count_crops(monkeypatch):
@@ -285,12 +301,14 @@ def test_assisted_decoding_and_prompt_lookup_give_the_greedy_tokens(arch, monkey
     g = torch.Generator().manual_seed(11)
     base = torch.randint(3, VOCAB, (1, 5), generator=g)
     prompt = torch.cat([base, base, base[:, :3]], dim=1)  # repeated n-grams: prompt lookup has candidates
-    crops = _count_crops(monkeypatch)
+    crops, rebuilds = _count_crops(monkeypatch), _count_rebuilds(monkeypatch)
     with torch.no_grad():
         greedy = model.generate(prompt, max_new_tokens=14, do_sample=False)
         assert not crops
         assisted = model.generate(prompt, max_new_tokens=14, do_sample=False, assistant_model=assistant)
         assert any(n < 0 for n in crops), "assisted decoding rejected no draft token: the test proves nothing"
+        if arch == "spiralformer":  # only a crop into a model's first call (its prefill) re-prefills
+            assert sum(n < 0 for n in crops) >= 4 and len(rebuilds) <= 2, (crops, rebuilds)  # main + assistant
         crops.clear()
         lookup = model.generate(prompt, max_new_tokens=14, do_sample=False, prompt_lookup_num_tokens=3)
         assert any(n < 0 for n in crops), "prompt lookup rejected no candidate: the test proves nothing"
