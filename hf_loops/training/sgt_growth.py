@@ -23,8 +23,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from ..core.flops_sgt import plan_overhead
-from ..modeling.configuration_sgt import SGTConfig
 from ..core.sgt_selection import next_layer, rank_heads, top_layers
+from ..modeling.configuration_sgt import SGTConfig
 
 logger = logging.get_logger(__name__)
 
