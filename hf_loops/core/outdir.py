@@ -194,8 +194,9 @@ def atomic_output_dir(out_dir: str, what: str = "export", merge: bool = False, o
     if not merge:
         check_output_dir(out_dir, label or f"{what} out_dir", overwrite=overwrite)
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    with output_lock(out, label or what) if lock else contextlib.nullcontext():
+    if not lock:
+        os.makedirs(parent, exist_ok=True)
+    with output_lock(out, label or what) if lock else contextlib.nullcontext():  # the lock makes the parent
         remove_stale_exports(parent)
         existing = os.path.isdir(out)
         if existing:
@@ -218,6 +219,28 @@ def atomic_output_dir(out_dir: str, what: str = "export", merge: bool = False, o
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def _missing_ancestor(folder: str) -> str | None:
+    """The highest ancestor of `folder` (itself included) that does not exist yet, or None."""
+    missing = None
+    while folder and not os.path.exists(folder):
+        missing, folder = folder, os.path.dirname(folder)
+        if folder == missing:
+            break
+    return missing
+
+
+def _remove_empty_up_to(folder: str, top: str) -> None:
+    """Remove `folder` and its parents up to `top` while they are empty."""
+    while True:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        if folder == top:
+            return
+        folder = os.path.dirname(folder)
 
 
 def lock_path(out_dir: str) -> str:
@@ -249,6 +272,7 @@ def output_lock(out_dir: str, what: str = "--out"):
         finally:
             _HELD[path] -= 1
         return
+    created = _missing_ancestor(os.path.dirname(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -280,3 +304,5 @@ def output_lock(out_dir: str, what: str = "--out"):
         with contextlib.suppress(OSError):
             os.remove(path)
         os.close(fd)
+        if created is not None and not os.path.exists(os.path.abspath(os.fspath(out_dir))):
+            _remove_empty_up_to(os.path.dirname(path), created)  # a refused run leaves no empty parents behind

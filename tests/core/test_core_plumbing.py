@@ -15,6 +15,7 @@ from hf_loops.core import errors, numbers, readers
 from hf_loops.core.outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, lock_path, output_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUTDIR = os.path.join(REPO, "hf_loops", "core", "outdir.py")
 
 
 # --- readers ----------------------------------------------------------------------------------------------------------
@@ -160,8 +161,12 @@ def test_the_lock_refuses_a_second_writer_and_is_reentrant_in_one_process(tmp_pa
     out = tmp_path / "run"
     script = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {REPO!r})
-        from hf_loops.core.outdir import output_lock
+        import importlib.util
+        # the stdlib-only module, loaded by path: no torch/transformers import in this process
+        spec = importlib.util.spec_from_file_location("outdir", {OUTDIR!r})
+        outdir = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(outdir)
+        output_lock = outdir.output_lock
         try:
             with output_lock({str(out)!r}, "--output-dir"):
                 print("got it")
@@ -185,3 +190,22 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, capsys):
     with atomic_output_dir(str(tmp_path / "out"), "--out") as tmp:
         json.dump({}, open(os.path.join(tmp, "eval.json"), "w"))
     assert not dead.exists() and "leftover of an interrupted" in capsys.readouterr().err
+
+
+def test_a_refused_run_leaves_no_empty_parent_folders(tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(ValueError, match="bad source"), output_lock(str(out)):
+        assert (tmp_path / "a" / "b").is_dir()  # the lock lives beside the future directory
+        raise ValueError("bad source")
+    assert not (tmp_path / "a").exists()
+    with atomic_output_dir(str(out), "--out") as tmp:
+        open(os.path.join(tmp, "x.json"), "w").write("{}")
+    assert sorted(os.listdir(out)) == ["x.json"] and os.listdir(tmp_path / "a" / "b") == ["out"]
+
+
+def test_a_failed_write_into_a_new_nested_directory_leaves_nothing(tmp_path):
+    out = tmp_path / "x" / "y" / "out"
+    with pytest.raises(OSError), atomic_output_dir(str(out), "--out") as tmp:
+        open(os.path.join(tmp, "part.bin"), "wb").write(b"1")
+        raise OSError(28, "No space left on device")
+    assert os.listdir(tmp_path) == []

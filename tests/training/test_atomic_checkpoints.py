@@ -17,6 +17,7 @@ from hf_loops.training.checkpoints import complete_checkpoints, last_complete_ch
 from hf_loops.training.train_tah2 import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUTDIR = os.path.join(REPO, "hf_loops", "core", "outdir.py")
 STEPS = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1"]
 
 # A child `hf-loops train` that is SIGKILL-ed in the middle of saving checkpoint-KILL_AT: after the weights, before the
@@ -96,8 +97,12 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_runs(da
     out = tmp_path / "shared"
     holder = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {REPO!r})
-        from hf_loops.core.outdir import output_lock
+        import importlib.util
+        # the stdlib-only module, loaded by path: no torch/transformers import in this process
+        spec = importlib.util.spec_from_file_location("outdir", {OUTDIR!r})
+        outdir = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(outdir)
+        output_lock = outdir.output_lock
         with output_lock({str(out)!r}, "--output-dir"):
             print("locked", flush=True)
             time.sleep(120)
