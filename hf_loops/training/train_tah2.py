@@ -662,8 +662,8 @@ def fsdp_from_environment() -> bool:
 
 
 def check_launch(args) -> None:
-    """Refuse, in one line and before anything is loaded, a launch that this machine would silently run as something
-    else: FSDP1 on CPU processes (accelerate's FSDP1 plugin needs an accelerator device and fails deep inside the
+    """Refuse, in one line and before anything is loaded, a launch that cannot train TaH2 (DeepSpeed ZeRO-3) or that
+    this machine would silently run as something else: FSDP1 or parameter offloading on CPU processes (accelerate's FSDP1 plugin needs an accelerator device and fails deep inside the
     Trainer), and an accelerate config with `distributed_type: MULTI_CPU` and several processes, which `accelerate
     launch` starts as ONE plain process unless mpirun runs it. The Trainer's `fsdp_config` wins over the launcher's
     environment, as in the Trainer itself."""
@@ -675,15 +675,52 @@ def check_launch(args) -> None:
         raise ValueError("the accelerate config asks for several CPU processes (distributed_type: MULTI_CPU) but "
                          "accelerate launch started one (it runs MULTI_CPU only through mpirun: mpirun_hostfile); use "
                          "distributed_type: MULTI_GPU with use_cpu: false, which starts gloo processes on CPU, or torchrun")
+    stage, source = deepspeed_zero_stage(args)
+    if stage == 3:
+        # Measured on CPU (DeepSpeed 0.19, ZeRO-3): backward fails. TaH2's zero-weighted anchor over the updater and
+        # decider parameters reads them outside their modules, where ZeRO-3 holds empty placeholders.
+        raise ValueError(f"DeepSpeed ZeRO-3 (from {source}) cannot train TaH2 yet: the zero-weighted term that reaches "
+                         "the updater and decider parameters reads them outside their modules, where ZeRO-3 keeps "
+                         "empty placeholders, and backward fails; use ZeRO-2 or FSDP2")
     if args.fsdp_plugin_args is not None:
         version, source = int(args.fsdp_plugin_args.get("fsdp_version", 1)), "the Trainer's fsdp_config"
+        offload = bool(args.fsdp_plugin_args.get("cpu_offload", False))
     elif fsdp_from_environment():
-        version, source = int(os.environ.get("FSDP_VERSION", "1")), "the accelerate config (FSDP_VERSION)"
+        version, source = int(os.environ.get("FSDP_VERSION", "1")), "the accelerate config"
+        offload = parse_flag_from_env("FSDP_OFFLOAD_PARAMS", default=False)
     else:
         return
-    if version != 2 and on_cpu(args):
+    if not on_cpu(args):
+        return
+    if version != 2:
         raise ValueError(f"fsdp_version {version} from {source} cannot run on CPU processes (accelerate's FSDP1 "
                          "needs an accelerator device); set fsdp_version: 2 (fully_shard), which runs on CPU with gloo")
+    if offload:  # torch's CPUOffloadPolicy pins memory for an accelerator: fully_shard fails without one
+        raise ValueError(f"fsdp_offload_params (cpu_offload) from {source} cannot run on CPU processes: the "
+                         "parameters already live on the CPU; set it to false")
+
+
+def deepspeed_zero_stage(args) -> tuple[int | None, str]:
+    """The ZeRO stage asked for by the Trainer's `deepspeed` config (a dict or JSON file) or by `accelerate launch`
+    with `distributed_type: DEEPSPEED` (a stage, or a DeepSpeed JSON file, in the environment); None without
+    DeepSpeed. Returns (stage, where it came from)."""
+    from accelerate.utils import parse_flag_from_env
+
+    def stage_of(config) -> int | None:
+        if isinstance(config, str) and os.path.isfile(config):
+            with open(config) as f:
+                config = json.load(f)
+        stage = config.get("zero_optimization", {}).get("stage") if isinstance(config, dict) else None
+        return None if stage in (None, "auto") else int(stage)
+
+    if getattr(args, "deepspeed", None):
+        return stage_of(args.deepspeed), "the Trainer's deepspeed config"
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED", default=False):
+        file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if file and file != "none":
+            return stage_of(file), "the accelerate config's DeepSpeed file"
+        return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")), "the accelerate config"
+    return None, ""
 
 
 def on_cpu(args) -> bool:

@@ -2,9 +2,10 @@
 depths (the depth passes are agreed over ranks, or the lookahead's collectives hang), and one SFT step with the decoder
 layers wrapped by FSDP2 `fully_shard` via the Trainer's FSDP settings, compared with one process on the union batch.
 The same step launched by `accelerate launch --config_file` with FSDP2 (the settings come from the environment only)
-shards every parameter and trains the same weights; a DDP config file is DDP; an FSDP1 or multi-process MULTI_CPU
-config, which CPU processes cannot honour, is refused in one line before anything is loaded."""
+shards every parameter and trains the same weights; a DDP config file is DDP; an FSDP1, a parameter-offloading or a
+multi-process MULTI_CPU config, which CPU processes cannot honour, is refused in one line before anything is loaded."""
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,12 @@ ACCELERATE_CONFIGS = {
         "fsdp_state_dict_type": "FULL_STATE_DICT"}},
     "multi_cpu": {"distributed_type": "MULTI_CPU", "use_cpu": True},
 }
+ACCELERATE_CONFIGS["zero3"] = {"distributed_type": "DEEPSPEED", "use_cpu": False, "deepspeed_config": {
+    "zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False}}
+ACCELERATE_CONFIGS["zero2"] = {**ACCELERATE_CONFIGS["zero3"], "deepspeed_config": {
+    **ACCELERATE_CONFIGS["zero3"]["deepspeed_config"], "zero_stage": 2}}
+ACCELERATE_CONFIGS["fsdp2_offload"] = {**ACCELERATE_CONFIGS["fsdp2"], "fsdp_config": {
+    **ACCELERATE_CONFIGS["fsdp2"]["fsdp_config"], "fsdp_offload_params": True}}
 
 
 def write_accelerate_config(folder, name):
@@ -45,13 +52,13 @@ def write_accelerate_config(folder, name):
     return path
 
 
-def launch(config_file, modes, out, timeout=240):
+def launch(config_file, modes, out, timeout=240, **extra_env):
     """`accelerate launch --config_file` of the worker on 2 CPU processes, in a clean environment (no accelerate or
     torch.distributed variables left by earlier in-process runs), with a watchdog in the worker; a hang fails here."""
     keep = ("PATH", "HOME", "TMPDIR", "LANG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               HF_DIST_WATCHDOG_S=str(timeout - 30))
+               HF_DIST_WATCHDOG_S=str(timeout - 30), **extra_env)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
            os.path.join(HERE, "dist_fsdp_worker.py"), modes, str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -155,14 +162,21 @@ def launcher_environment(config_file):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", config_file, "x.py"]))
-    if (args.use_fsdp or args.multi_gpu) and not args.cpu:  # the branch `launch_command` takes
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", config_file,
+                                                                                    "x.py"]))
+    if args.use_deepspeed and not args.cpu:  # the branches `launch_command` takes
+        from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+        args.deepspeed_fields_from_accelerate_config = list(defaults.deepspeed_config) if defaults else []
+        return prepare_deepspeed_cmd_env(args)[1]
+    if (args.use_fsdp or args.multi_gpu) and not args.cpu:
         return prepare_multi_gpu_env(args)  # (torchrun adds its rank variables; the refusals come before any use)
     return prepare_simple_launcher_cmd_env(args)[1]
 
 
 @pytest.mark.parametrize("name, message", [
-    ("fsdp1", "fsdp_version 1 from the accelerate config (FSDP_VERSION) cannot run on CPU processes"),
+    ("fsdp1", "fsdp_version 1 from the accelerate config cannot run on CPU processes"),
+    ("fsdp2_offload", "fsdp_offload_params (cpu_offload) from the accelerate config cannot run on CPU processes"),
     ("multi_cpu", "accelerate launch started one"),
 ])
 def test_accelerate_config_that_cpu_processes_cannot_honour_is_refused_in_one_line(name, message, tmp_path,
@@ -178,3 +192,36 @@ def test_accelerate_config_that_cpu_processes_cannot_honour_is_refused_in_one_li
     errors = [line for line in err if line.startswith("error:")]
     assert code == 2 and err[-1] == errors[-1] and len(errors) == 1 and message in errors[0], err
     assert not (tmp_path / "out").exists()  # refused before anything was loaded or written
+
+
+def test_deepspeed_zero3_accelerate_config_is_refused(tmp_path, monkeypatch):
+    """ZeRO-3 fails in TaH2's backward (measured on CPU with DeepSpeed 0.19); the refusal needs no DeepSpeed install,
+    so it is checked on `check_launch` itself (building the Trainer's arguments would first ask for the package)."""
+    from types import SimpleNamespace
+
+    from hf_loops.training.train_tah2 import check_launch
+
+    env = launcher_environment(write_accelerate_config(tmp_path, "zero3"))
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        if key in env:
+            monkeypatch.setenv(key, env[key])
+    args = SimpleNamespace(deepspeed=None, fsdp_plugin_args=None, use_cpu=True)
+    with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-3 \(from the accelerate config\) cannot train TaH2 yet"):
+        check_launch(args)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    check_launch(args)  # ZeRO-2 passes (measured: the same step as one process, see the README)
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match="ZeRO-3 \\(from the Trainer's deepspeed config\\)"):
+        check_launch(SimpleNamespace(deepspeed=str(ds_file), fsdp_plugin_args=None, use_cpu=True))
+
+
+@pytest.mark.slow  # a third 2-process launch; runs only where DeepSpeed is installed (it is not a dependency)
+def test_deepspeed_zero2_accelerate_config_file_trains_the_same_step(tmp_path, one_process):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed; CPU: DS_ACCELERATOR=cpu)")
+    launch(write_accelerate_config(tmp_path, "zero2"), "config", tmp_path, DS_ACCELERATOR="cpu")
+    a, b = (torch.load(tmp_path / f"config_rank{r}.pt", weights_only=False) for r in (0, 1))
+    for rank in (a, b):
+        assert rank["distributed_type"] == "DistributedType.DEEPSPEED" and rank["wrapped"] == "DeepSpeedEngine"
+    check_same_step_as_one_process(a, b, one_process)
