@@ -2,7 +2,7 @@
 `AutoModelForCausalLM`. A tiny exported model of each architecture is served on 127.0.0.1 (a free port); a chat
 completion and a streamed one must give the tokens of greedy `generate` on the same chat prompt. Each is served by
 `serve(..., non_blocking=True)` in this process; TaH2 also through the real command line (a child process).
-`--continuous-batching` is refused in one line; every request and the server's start are bounded by timeouts."""
+Two concurrent requests get the same answers. `--continuous-batching` is refused in one line; every request and the server's start are bounded by timeouts."""
 
 import argparse
 import json
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -93,6 +94,9 @@ def check_answers(port, folder):
     assert text == want and completion_tokens == n
     streamed, _ = chat(port, stream=True)
     assert streamed == want
+    with ThreadPoolExecutor(2) as pool:  # two requests at once, one streamed: each still gets the greedy answer
+        both = list(pool.map(lambda stream: chat(port, stream)[0], (False, True)))
+    assert both == [want, want]
 
 
 @pytest.mark.slow  # a child process that imports transformers' server stack: ~35 s on 2 busy cores
