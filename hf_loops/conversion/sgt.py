@@ -8,7 +8,7 @@ from the source model's attention entropies on calibration text:
    last valid query row per sequence, or sampled rows with `entropy_estimator="sampled_rows"`);
 2. per layer, mean entropy over sequences → per-head ê_h; layer score = mean over heads;
 3. Algorithm 1 with these (constant) entropies, through the scheduler's own selection rules
-   (`hf_loops.training.sgt_selection`, one tie rule: the deeper layer first): Top = the `growth_top_layers`
+   (`hf_loops.training.sgt_selection`, one tie rule: the lower layer first): Top = the `growth_top_layers`
    highest-scoring layers outside `growth_exclude_layers`; SELECT the deepest of Top, then keep selecting the deepest
    remaining Top layer that is not deeper than every selected one (deep-to-shallow), until `growth_max_layers` are
    selected. With constant entropies "deepen before widening" takes every selected layer to `max_loop_depth`;

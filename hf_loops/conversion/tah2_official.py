@@ -44,7 +44,7 @@ def export_tah2(model: TaH2ForCausalLM, out_dir: str | os.PathLike, tokenizer=No
     """Write `model` in the official layout; `import_tah2(out_dir)` gives back the same model (bit-identical).
 
     Written atomically (temporary sibling directory, moved into place at the end)."""
-    check_official_equivalents(model.config)
+    check_official_equivalents(model.config, model)
     out_dir = os.fspath(out_dir)
     with atomic_output_dir(out_dir, "export_tah2") as tmp:
         write_official_tah2(model, tmp, tokenizer)

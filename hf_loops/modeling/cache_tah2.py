@@ -468,7 +468,10 @@ class StreamView:
     ragged stream gets only the real slots (`real`, (Bj, Tj)) and is read through the call's row-padded view.
 
     Under activation checkpointing a layer runs twice; the second (recompute) call rebuilds the same concatenation
-    from the prefix that preceded this call's write instead of writing again.
+    from the prefix that preceded this call's write instead of writing again. `checkpointed` runs a layer call under
+    a checkpoint function with the stream K/V it reads as explicit inputs and the K/V it writes as explicit outputs:
+    reentrant checkpointing runs its forward without autograd and only differentiates through its inputs and outputs,
+    so K/V that reached deeper depths through the store alone would carry no gradient back to the depth that wrote them.
 
     `copy_previous` (B, T) bool, dense streams only (every token in every stream, in time order): those tokens' new
     K/V are replaced by their K/V in the previous stream (Ouro-style `exit_kv_fill="copy_last"`: a token that exited
@@ -485,13 +488,26 @@ class StreamView:
         self.copy_previous = copy_previous
         self.real = real
         self._prefix_len: dict[int, int] = {}
+        self._inputs: dict[int, dict] = {}  # layer_idx -> {stream: (keys, values)} while `checkpointed` runs it
+        self._appended: dict[int, tuple] = {}  # layer_idx -> the K/V its last call appended
+
+    def _stored(self, stream: int, layer_idx: int) -> tuple:
+        """(keys, values) of `stream` at `layer_idx` as this call reads them: the checkpoint's explicit inputs when the
+        layer runs under `checkpointed`, else the store's tensors (None when the stream holds nothing)."""
+        given = self._inputs.get(layer_idx)
+        if given is not None and stream in given:
+            return given[stream]
+        if given is not None and stream == self.stream:  # empty before this call: the prefix is nothing
+            return None, None
+        layer = self.streams.store(stream).kv_layer(stream, layer_idx)
+        return layer.keys, layer.values
 
     def _copy_from_previous_stream(self, key_states, value_states, layer_idx):
-        prev = self.streams.store(self.stream - 1).kv_layer(self.stream - 1, layer_idx)
+        prev_keys, prev_values = self._stored(self.stream - 1, layer_idx)
         T = key_states.shape[-2]
         take = self.copy_previous[:, None, :, None]
-        return (torch.where(take, prev.keys[..., -T:, :], key_states),
-                torch.where(take, prev.values[..., -T:, :], value_states))
+        return (torch.where(take, prev_keys[..., -T:, :], key_states),
+                torch.where(take, prev_values[..., -T:, :], value_states))
 
     def _scatter(self, states: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
@@ -503,22 +519,67 @@ class StreamView:
         return states if self.rows is None else states.index_select(0, self.rows)
 
     def _write(self, key_states, value_states, layer_idx) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this call's K/V of the running stream; full-batch padded states of the stream (padded layout)."""
+        """Append this call's K/V of the running stream; full-batch padded states of the stream (padded layout).
+        The appended tensors are also kept in `_appended` (the outputs of a `checkpointed` call)."""
         layer = self.streams.store(self.stream).kv_layer(self.stream, layer_idx)
+        first = layer_idx not in self._prefix_len
+        if first:
+            self._prefix_len[layer_idx] = layer.get_seq_length()
         if self.streams.ragged(self.stream):
-            if layer_idx not in self._prefix_len:
-                self._prefix_len[layer_idx] = layer.get_seq_length()
-                layer.update(_flat_real(key_states, self.real), _flat_real(value_states, self.real))
+            k_new, v_new = _flat_real(key_states, self.real), _flat_real(value_states, self.real)
+            self._appended[layer_idx] = (k_new, v_new)
+            if first:
+                layer.update(k_new, v_new)
             return None, None
         k_new, v_new = self._scatter(key_states), self._scatter(value_states)
         if self.copy_previous is not None:
             k_new, v_new = self._copy_from_previous_stream(k_new, v_new, layer_idx)
-        if layer_idx not in self._prefix_len:
-            self._prefix_len[layer_idx] = layer.get_seq_length()
+        self._appended[layer_idx] = (k_new, v_new)
+        if first and layer_idx not in self._inputs:
             return layer.update(k_new, v_new)
+        if first:
+            layer.update(k_new, v_new)
+        return self._own_stream(layer_idx, k_new, v_new)
+
+    def _own_stream(self, layer_idx, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix (the entries before this call's write) + this call's new entries of the running stream."""
         n = self._prefix_len[layer_idx]
-        return (torch.cat([layer.keys[..., :n, :], k_new], dim=-2),
-                torch.cat([layer.values[..., :n, :], v_new], dim=-2))
+        if layer_idx in self._inputs:
+            k_old, v_old = self._stored(self.stream, layer_idx)
+        else:
+            layer = self.streams.store(self.stream).kv_layer(self.stream, layer_idx)
+            k_old, v_old = layer.keys[..., :n, :], layer.values[..., :n, :]
+        if k_old is None or n == 0:
+            return k_new, v_new
+        return torch.cat([k_old, k_new], dim=-2), torch.cat([v_old, v_new], dim=-2)
+
+    def checkpointed(self, checkpoint_fn, call, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """`call(hidden)` (one decoder layer on this view) under `checkpoint_fn`, with every stream K/V the layer reads
+        passed in and the K/V it writes passed out; the store then holds the outputs, which carry the gradient."""
+        sources = {}
+        for s in dict.fromkeys(self.key_streams + ([self.stream - 1] if self.copy_previous is not None else [])):
+            if s != self.stream and not self.streams.has(s):
+                continue
+            keys, values = self._stored(s, layer_idx)  # own stream: nothing written yet, so this is the prefix
+            if keys is not None and keys.shape[-2] > 0:
+                sources[s] = (keys, values)
+        streams = list(sources)
+
+        def run(hidden, *kv):
+            self._inputs[layer_idx] = {s: (kv[2 * i], kv[2 * i + 1]) for i, s in enumerate(streams)}
+            try:
+                out = call(hidden)
+            finally:
+                self._inputs.pop(layer_idx)
+            k_new, v_new = self._appended.pop(layer_idx)
+            return out, k_new, v_new
+
+        out, k_new, v_new = checkpoint_fn(run, hidden, *[t for s in streams for t in sources[s]])
+        layer = self.streams.store(self.stream).kv_layer(self.stream, layer_idx)
+        n = self._prefix_len[layer_idx]
+        layer.keys = k_new if n == 0 else torch.cat([layer.keys[..., :n, :], k_new], dim=-2)
+        layer.values = v_new if n == 0 else torch.cat([layer.values[..., :n, :], v_new], dim=-2)
+        return out
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k_own, v_own = self._write(key_states, value_states, layer_idx)
@@ -526,22 +587,26 @@ class StreamView:
         for s in self.key_streams:
             if not (s == self.stream or self.streams.has(s)):
                 continue
+            if self.streams.ragged(s):
+                flat_keys, flat_values = self._stored(s, layer_idx)
+                if s == self.stream and layer_idx in self._inputs:  # the prefix came in; add this call's entries
+                    k_app, v_app = self._appended[layer_idx]
+                    flat_keys = k_app if flat_keys is None else torch.cat([flat_keys, k_app], dim=-2)
+                    flat_values = v_app if flat_values is None else torch.cat([flat_values, v_app], dim=-2)
             if self.streams.ragged(s) and self.batch_size == 1:  # one row: the flat entries are its keys, in order
-                flat = self.streams.store(s).kv_layer(s, layer_idx)
-                keys.append(flat.keys if flat.keys is not None else key_states[:, :, :0])
-                values.append(flat.values if flat.values is not None else value_states[:, :, :0])
+                keys.append(flat_keys if flat_keys is not None else key_states[:, :, :0])
+                values.append(flat_values if flat_values is not None else value_states[:, :, :0])
             elif self.streams.ragged(s):
-                flat = self.streams.store(s).kv_layer(s, layer_idx)
                 gather = self.streams.layout(s).rows(self.rows)
-                keys.append(RaggedLayout.read(flat.keys, gather, key_states))
-                values.append(RaggedLayout.read(flat.values, gather, value_states))
+                keys.append(RaggedLayout.read(flat_keys, gather, key_states))
+                values.append(RaggedLayout.read(flat_values, gather, value_states))
             elif s == self.stream:
                 keys.append(self._select(k_own))
                 values.append(self._select(v_own))
             else:
-                other = self.streams.store(s).kv_layer(s, layer_idx)
-                keys.append(self._select(other.keys))
-                values.append(self._select(other.values))
+                other_keys, other_values = self._stored(s, layer_idx)
+                keys.append(self._select(other_keys))
+                values.append(self._select(other_values))
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
         return k, v

@@ -510,6 +510,7 @@ class SGTModel(SGTPreTrainedModel):
     def _block_repeats(self, i: int) -> int:
         return self.config.block_loop_depth if i in self.config.block_loop_layers else 0
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_attentions=None,
@@ -614,6 +615,10 @@ class SGTModel(SGTPreTrainedModel):
 
 class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
+    # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: SGTConfig):
         super().__init__(config)
@@ -629,7 +634,8 @@ class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
                 output_hidden_states=None, output_attentions=None, **kwargs) -> CausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             output_hidden_states=output_hidden_states, output_attentions=output_attentions, **kwargs)
+                             output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
+                             **kwargs)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None

@@ -118,7 +118,8 @@ class _SlotLayout:
             self.pre, self.post, self.core = 0, 0, n_post
         self.n_pre, self.n_loop, self.n_post, self.T = n_pre, n_loop, n_post, T
         self.bookkeeping = n_pre + T * n_loop + n_post
-        self.total = self.bookkeeping + T
+        self.inputs = self.bookkeeping + T  # the token stream's inputs, kept so that a crop can be rebuilt exactly
+        self.total = self.bookkeeping + T + 1
 
     def pre_offset(self) -> int:
         return self.pre  # physical index l → slot l
@@ -158,7 +159,7 @@ class SpiralCoreLayer(CacheLayerMixin):
     permute the per-row lists (rows may share tensors until they diverge)."""
 
     is_sliding = False
-    is_croppable = False  # a chunk closed by a dropped token cannot be "un-closed"; SpiralStateLayer refuses instead
+    is_croppable = True  # a crop marks the decode state stale; the model then rebuilds every loop slot exactly
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -207,6 +208,13 @@ class SpiralCoreLayer(CacheLayerMixin):
 
     def row_lengths(self) -> list[int]:
         return [0 if x is None else x.shape[-2] for x in self.row_keys]
+
+    def trim(self, lengths: list[int]) -> None:
+        """Row r keeps its first lengths[r] latents (a crop back into the latest decoding call)."""
+        for store in (self.row_keys, self.row_values):
+            for r, n in enumerate(lengths):
+                if store[r] is not None and store[r].shape[-2] > n:
+                    store[r] = store[r][..., :n, :] if n > 0 else None
 
     def nbytes(self) -> int:
         """Bytes of K and V actually held (tensors shared by several rows after a beam reorder count once)."""
@@ -262,13 +270,21 @@ class SpiralCoreLayer(CacheLayerMixin):
 class SpiralStateLayer(DynamicLayer):
     """Decode state of one iteration, packed fp32 (b, 1, 1, 2 + 2d + g) = [m, Z, S, v_last, β_last] in `keys`
     (`values` aliases it), so reorder / repeat / select move it like K/V. `seen` (host int) counts the tokens it
-    covers; any crop sets it to None because the open-chunk accumulators cannot be rolled back."""
+    covers.
 
-    is_croppable = False
+    Crop: the open-chunk accumulators cannot be recomputed backwards, so the layer keeps, for the tokens of the latest
+    decoding call only, the state before each of them and the core rows' latent counts (`snapshot`). A crop back into
+    that call restores them (`pending_lengths` tells the model how far to cut the core rows at its next call); a
+    deeper crop (into a prefill, or an earlier call) sets `seen` to None and the next forward rebuilds the loop slots
+    from the kept tokens' stored inputs (`SpiralFormerModel._rebuild_after_crop`). Both are exact."""
+
+    is_croppable = True
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.seen: int | None = None
+        self.history: dict[int, tuple] = {}  # seen -> (packed state, core row lengths) before that token
+        self.pending_lengths: list[int] | None = None
 
     def store(self, packed: torch.Tensor, seen: int) -> None:
         if not self.is_initialized:
@@ -276,13 +292,44 @@ class SpiralStateLayer(DynamicLayer):
         self.keys = self.values = packed
         self.seen = seen
 
+    def snapshot(self, core_lengths: list[int]) -> None:
+        """Remember the state as it is before the next token (tensors are replaced, never written in place)."""
+        if self.seen is not None:
+            self.history[self.seen] = (self.keys, list(core_lengths))
+
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
+        if tokens_to_remove == 0:
+            return
+        target = None if self.seen is None else self.seen - abs(tokens_to_remove)
+        if target is None or target not in self.history:
+            self.seen, self.history, self.pending_lengths = None, {}, None
+            return
+        packed, self.pending_lengths = self.history[target]
+        self.keys = self.values = packed
+        self.seen = target
+        self.history = {k: v for k, v in self.history.items() if k < target}
+
+    def _invalidate(self) -> None:
+        """A batch operation: the snapshots (and any pending core cut) no longer match the rows."""
+        if self.pending_lengths is not None:
             self.seen = None
+        self.history, self.pending_lengths = {}, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._invalidate()
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._invalidate()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._invalidate()
+        super().batch_select_indices(indices)
 
     def reset(self) -> None:
         super().reset()
-        self.seen = None
+        self.seen, self.history, self.pending_lengths = None, {}, None
 
 
 class _CoreCacheView:
@@ -603,6 +650,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         """Give the cache its SpiralFormer slots (generate builds a plain `DynamicCache`); a prefill (empty cache) also
         starts fresh ragged rows. Returns the number of cached tokens."""
         ensure_cache_slots(cache, self.layout.total)
+        if type(cache.layers[self.layout.inputs]) is not DynamicLayer:
+            cache.layers[self.layout.inputs] = DynamicLayer()
         wanted = [(i, SpiralCoreLayer) for i in self.layout.core_slots()]
         wanted += [(self.layout.state_slot(t), SpiralStateLayer) for t in range(self.layout.T)]
         for i, cls in wanted:
@@ -618,29 +667,71 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
                 cache.layers[i].start(batch_size)
             for t in range(self.layout.T):
                 cache.layers[self.layout.state_slot(t)].reset()
+            inputs = cache.layers[self.layout.inputs]
+            if inputs.get_seq_length() > 0:
+                inputs.crop(-inputs.get_seq_length())
         return past
 
     def _check_state(self, cache, past: int) -> None:
-        """The decode state must cover exactly the cached tokens: a cropped cache (assisted / prompt-lookup decoding)
-        cannot roll back the open-chunk accumulators, so it is refused instead of giving a silently different answer."""
+        """The decode state must cover exactly the cached tokens (a crop is rebuilt before this check); a cache edited
+        some other way is refused instead of giving a silently different answer."""
         seen = cache.layers[self.layout.state_slot(0)].seen  # host int: no device sync
         if seen != past:
             raise ValueError(
                 f"SpiralFormer decode state covers {'a cropped cache' if seen is None else f'{seen} tokens'} but the "
-                f"cache holds {past}: cropping or editing a SpiralFormer cache (assisted or prompt-lookup decoding) "
-                "is not supported"
+                f"cache holds {past}: a SpiralFormer cache can be cropped (`cache.crop`), not edited otherwise"
             )
+
+    def _record_inputs(self, cache, x, position_ids) -> None:
+        """Keep the token stream's inputs (scaled embeddings) and RoPE positions of every cached token."""
+        pos = position_ids.to(torch.float32)[:, None, :, None]  # exact up to 2^24
+        cache.layers[self.layout.inputs].update(x[:, None], pos)
+
+    def _finish_crop(self, cache, key_valid, past: int, **kwargs) -> None:
+        """Bring the loop slots in line with a `cache.crop` since the last call: cut the core rows back to the
+        restored snapshot, or rebuild everything when the crop went deeper than the snapshots; then start this call's
+        snapshots afresh (only the latest call's tokens are kept)."""
+        states = [cache.layers[self.layout.state_slot(t)] for t in range(self.layout.T)]
+        if any(state.seen is None for state in states):
+            self._rebuild_after_crop(cache, key_valid, past, **kwargs)
+            return
+        for t, state in enumerate(states):
+            if state.pending_lengths is not None:
+                for l in range(self.layout.n_loop):
+                    cache.layers[self.layout.core_slot(t, l)].trim(state.pending_lengths)
+            state.history, state.pending_lengths = {}, None
+
+    def _rebuild_after_crop(self, cache, key_valid, past: int, **kwargs) -> None:
+        """After `cache.crop`: the open-chunk accumulators and the closed latents of the kept tokens cannot be rolled
+        back token by token, so every slot is rebuilt by prefilling the kept tokens again from their stored inputs —
+        the very computation that decoding the shorter prefix runs. Costs one prefill of the kept tokens per crop."""
+        inputs = cache.layers[self.layout.inputs]
+        if inputs.get_seq_length() != past:
+            raise ValueError(f"SpiralFormer cache holds {past} tokens but the inputs of {inputs.get_seq_length()}: "
+                             "a SpiralFormer cache can be cropped (`cache.crop`), not edited otherwise")
+        x, pos = inputs.keys[:, 0], inputs.values[:, 0, :, 0].long()
+        for i in self.layout.token_slots():
+            layer = cache.layers[i]
+            if layer.get_seq_length() > 0:
+                layer.crop(-layer.get_seq_length())
+        for i in self.layout.core_slots():
+            cache.layers[i].start(x.shape[0])
+        for t in range(self.layout.T):
+            cache.layers[self.layout.state_slot(t)].reset()
+        self._forward_full(x, key_valid, pos, cache, True, **kwargs)
 
     def cache_bytes(self, cache) -> dict:
         """Bytes held by a SpiralFormer cache: `tokens` (pre/post K/V, b × width columns each), `core` (the ragged
-        core K/V: exactly Σ_rows Σ_t N_loop·C_t,row latents), `state` (decode state) and `kv` = tokens + core."""
+        core K/V: exactly Σ_rows Σ_t N_loop·C_t,row latents), `state` (decode state), `inputs` (the token stream's
+        inputs and positions, which make `crop` exact) and `kv` = tokens + core."""
         def dense(i):
             layer = cache.layers[i]
             return 0 if not layer.is_initialized else sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
 
         out = {"tokens": sum(dense(i) for i in self.layout.token_slots()),
                "core": sum(cache.layers[i].nbytes() for i in self.layout.core_slots()),
-               "state": sum(dense(self.layout.state_slot(t)) // 2 for t in range(self.layout.T))}  # keys is values
+               "state": sum(dense(self.layout.state_slot(t)) // 2 for t in range(self.layout.T)),  # keys is values
+               "inputs": dense(self.layout.inputs) if self.layout.inputs < len(cache.layers) else 0}
         out["kv"] = out["tokens"] + out["core"]
         return out
 
@@ -678,6 +769,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         lam = math.sqrt(g)
         b, _, d = h.shape
         state = cache.layers[self.layout.state_slot(t)]
+        state.snapshot(cache.layers[self.layout.core_slot(t, 0)].row_lengths())  # host ints: no device sync
         m, Z, S, v_last, beta_last = self._unpack_state(t, state.keys)
 
         def read(v_last, beta_last):
@@ -728,6 +820,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 
     # --- forward ------------------------------------------------------------------------------------------------------
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -794,6 +887,10 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         if collect is not None and past > 0:
             raise ValueError("output_hidden_states needs a full forward (no past cache) in SpiralFormer: decoding "
                              "steps run the loops incrementally and have no per-layer stream to return")
+        if cache is not None:
+            if past > 0:
+                self._finish_crop(cache, key_valid[:, :past], past, **kwargs)
+            self._record_inputs(cache, x, position_ids)
         if past == 0:
             h = self._forward_full(x, key_valid, position_ids, cache, use_cache, collect=collect, **kwargs)
         else:
@@ -875,6 +972,10 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 
 class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
+    # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: SpiralFormerConfig):
         super().__init__(config)
@@ -908,6 +1009,7 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            return_dict=True,
             **kwargs,
         )
         logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))

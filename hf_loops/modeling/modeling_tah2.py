@@ -535,14 +535,15 @@ class _LoopRecorder:
 
 class _DepthTrace:
     """Per-token outputs of the loop: executed (or, under Q-exit, output) depth, continue probabilities, per-depth
-    hidden states, and the rows the backbone computed at each depth."""
+    hidden states, and the rows the backbone computed at each depth. Every per-depth buffer grows with the depths
+    actually run, never with `max_iterations` (which may be far larger than the depth any token reaches)."""
 
     def __init__(self, run: "_LoopSetup", want_hidden: bool):
         B, T, _ = run.embeds.shape
         device = run.embeds.device
         self.run, self.want_hidden = run, want_hidden
         self.iter_counts = torch.zeros(B, T, dtype=torch.long, device=device)
-        self.continue_probs = torch.full((B, T, max(run.max_iterations - 1, 0)), float("nan"), device=device)
+        self.continue_probs = torch.full((B, T, 0), float("nan"), device=device)  # one column per decision depth
         self.iteration_hidden: list = []
         self.rows_per_depth: list = []
         self.first_pass = None
@@ -563,6 +564,9 @@ class _DepthTrace:
         if self.want_hidden:
             self.iteration_hidden.append(torch.zeros_like(self.run.embeds).index_put(index, step.hidden))
         if not step.last:
+            if self.continue_probs.shape[-1] < step.depth:
+                self.continue_probs = F.pad(self.continue_probs, (0, step.depth - self.continue_probs.shape[-1]),
+                                            value=float("nan"))
             self.continue_probs = self.continue_probs.index_put(
                 index + (torch.full_like(index[0], step.depth - 1),), step.continue_prob.detach())
 
@@ -630,7 +634,8 @@ class TaH2CausalLMOutput(ModelOutput):
     logits: log-probabilities of the stopping-weighted mixture at the kept positions (fp32); with
         `max_iterations == 1` the raw Qwen3 logits (same distribution, bit-exact with Qwen3).
     iter_counts: (B, T) executed depth m_t of every token (0 for padding).
-    continue_probs: (B, T, M−1) decider continue probability g after each depth, NaN where not executed.
+    continue_probs: (B, T, K) decider continue probability g after each depth, NaN where not executed; K = min(M − 1,
+        deepest executed depth): one column per depth after which some token's decider ran.
     hidden_states: with `output_hidden_states=True`, the depth-1 pass per layer, as Qwen3 returns them (embeddings,
         outputs of layers 1..L−1, final-normed output).
     attentions: with `output_attentions=True` (eager attention), the depth-1 pass's weights per layer.
@@ -692,7 +697,8 @@ class TaH2Model(TaH2PreTrainedModel):
     """The shared backbone F (embeddings, all Qwen3 decoder layers, final norm) — Qwen3Model's names and weights.
 
     Called on its own (e.g. via `AutoModel`) it runs one pass, exactly like `Qwen3Model`; the iteration loop needs the
-    LM head (the decider reads next-token probabilities) and lives in `TaH2ForCausalLM`.
+    LM head (the decider reads next-token probabilities) and lives in `TaH2ForCausalLM`. As the backbone of a looped
+    `TaH2ForCausalLM` it refuses a direct call unless given `max_iterations=1` (see `_refuse_outside_the_loop`).
     """
 
     def __init__(self, config: TaH2Config):
@@ -704,7 +710,26 @@ class TaH2Model(TaH2PreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.is_loop_backbone = False  # set by TaH2ForCausalLM: its forward, not this one, runs the loop
         self.post_init()
+
+    def _refuse_outside_the_loop(self, max_iterations) -> None:
+        """The backbone of a looped `TaH2ForCausalLM` runs only inside its loop. Called on its own it gives depth 1,
+        which is what TRL's fused LM head (SFT, DPO, GRPO, RLOO, KTO trainers: `model.base_model` then `lm_head`)
+        would train or score in place of the mixture, with the updater and decider never trained. Refuse that;
+        `max_iterations=1` asks for the one pass on purpose."""
+        owner_loops = self.is_loop_backbone and (self.config.max_iterations > 1 or self.config.loop_span is not None)
+        if max_iterations not in (None, 1):
+            raise ValueError(f"TaH2Model runs one backbone pass: max_iterations must be 1 or omitted, got "
+                             f"{max_iterations!r} (the depth loop is TaH2ForCausalLM's)")
+        if owner_loops and max_iterations is None:
+            raise ValueError(
+                f"TaH2Model.forward is one backbone pass, not TaH2's depth loop (max_iterations="
+                f"{self.config.max_iterations}): a trainer that calls the backbone and the LM head itself, as TRL's "
+                "fused LM head does in SFTTrainer/DPOTrainer/GRPOTrainer, would train a depth-1 model and never the "
+                "updater or decider; train with hf_loops.training.TaH2SFTTrainer (or call TaH2ForCausalLM, whose loss "
+                "is the mixture's), or pass max_iterations=1 to run the one backbone pass on purpose"
+            )
 
     def run_layers(self, hidden, attention_mask, position_ids, position_embeddings, cache, collect=None, span=None):
         """One pass of the decoder layers (no final norm) with `cache` as the layers' cache object: all of them, or
@@ -730,10 +755,13 @@ class TaH2Model(TaH2PreTrainedModel):
             if collect is not None and collect.attentions is not None:
                 with collect.attention_weights_of(layer):
                     hidden = call(hidden)
+            elif checkpoint and isinstance(cache, StreamView):  # cross-depth K/V in and out of the checkpoint
+                hidden = cache.checkpointed(self._gradient_checkpointing_func, call, hidden, layer.self_attn.layer_idx)
             else:
                 hidden = self._gradient_checkpointing_func(call, hidden) if checkpoint else call(hidden)
         return hidden
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -747,6 +775,7 @@ class TaH2Model(TaH2PreTrainedModel):
         output_attentions=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        self._refuse_outside_the_loop(kwargs.pop("max_iterations", None))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -779,10 +808,15 @@ class TaH2Model(TaH2PreTrainedModel):
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
+    # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: TaH2Config):
         super().__init__(config)
         self.model = TaH2Model(config)
+        self.model.is_loop_backbone = True
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.updater = TaH2Updater(config) if config.updater == "learned" else None

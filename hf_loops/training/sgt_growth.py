@@ -70,7 +70,7 @@ class SGTGrowthScheduler:
         # --- mutable state ---
         self.phase = VANILLA
         self.step = 0
-        self.ema = [[[0.0] * num_heads for _ in range(max_loop_depth + 1)] for _ in range(num_layers)]
+        self.ema = [[0.0] * num_heads for _ in range(num_layers)]  # one EMA per head (ê_{l,h}), initialised to 0
         self.selected: list[int] = []
         self.depth = [0] * num_layers
         self.kept: list[list[int]] = [[] for _ in range(num_layers)]
@@ -93,26 +93,26 @@ class SGTGrowthScheduler:
 
     # --- entropy -----------------------------------------------------------------------------------------------------
     def update_entropy(self, step_entropy) -> None:
-        """EMA update ê ← β ê + (1 − β) e with this step's mean entropies `step_entropy[l][k][h]`
-        (k = loop index, 0 = first pass); None / NaN entries (not measured this step) leave ê unchanged."""
+        """EMA update ê_h ← β ê_h + (1 − β) e_h with this step's mean entropies `step_entropy[l][k][h]`
+        (k = loop index, 0 = first pass). One EMA per head, as the reference: e_h is the last loop's entropy
+        (k = K_l) for a kept head of a looped layer and the first pass's (k = 0) for every other head, so when a head
+        starts looping, or its layer is deepened, the input switches and the average carries on (no restart at 0).
+        None / NaN entries (not measured this step) leave ê_h unchanged."""
         if self.phase == FIXED:
             return
         b = self.entropy_ema
         for l, per_loop in enumerate(step_entropy):
-            for k, per_head in enumerate(per_loop[: self.max_loop_depth + 1]):
-                for h, e in enumerate(per_head):
-                    if e is not None and not math.isnan(e):
-                        self.ema[l][k][h] = b * self.ema[l][k][h] + (1.0 - b) * float(e)
+            k_kept = self.depth[l]
+            kept = set(self.kept[l]) if k_kept > 0 else set()
+            for h in range(self.num_heads):
+                k = k_kept if h in kept else 0
+                e = per_loop[k][h] if k < len(per_loop) and h < len(per_loop[k]) else None
+                if e is not None and not math.isnan(e):
+                    self.ema[l][h] = b * self.ema[l][h] + (1.0 - b) * float(e)
 
     def head_entropy(self, layer: int) -> list[float]:
-        """Per-head ê used for ranking: kept heads of a looped layer use their last loop's entropy, others the first
-        pass's."""
-        out = list(self.ema[layer][0])
-        k = self.depth[layer]
-        if k > 0:
-            for h in self.kept[layer]:
-                out[h] = self.ema[layer][k][h]
-        return out
+        """Per-head ê used for ranking (heads and layers): the per-head EMA."""
+        return list(self.ema[layer])
 
     def layer_scores(self) -> list[float]:
         return [sum(e) / len(e) for e in (self.head_entropy(l) for l in range(self.num_layers))]
@@ -219,6 +219,11 @@ class SGTGrowthScheduler:
     def load_state_dict(self, state: dict) -> None:
         for k in self._STATE_KEYS:
             setattr(self, k, json.loads(json.dumps(state[k])))
+        if self.ema and self.ema[0] and isinstance(self.ema[0][0], list):
+            # A state saved before the EMA became one per head kept one EMA per loop index, ema[l][k][h]: carry on
+            # from the values ranking read then (kept heads: their last loop's, others: the first pass's).
+            self.ema = [[per_loop[self.depth[l] if self.depth[l] > 0 and h in self.kept[l] else 0][h]
+                         for h in range(self.num_heads)] for l, per_loop in enumerate(self.ema)]
 
 
 def _sgt_base_model(model):

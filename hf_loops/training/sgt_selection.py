@@ -1,7 +1,8 @@
 """SGT's Algorithm 1 selection rules, written once for the growth scheduler and for calibration (spec: sgt.md §3–§5).
 
-Pure functions on plain Python numbers. Tie rule (one for both users): equal layer scores rank the **deeper** layer
-first, equal head entropies rank the **lower** head index first. Growth goes deep-to-shallow by default (the paper);
+Pure functions on plain Python numbers. Tie rule (one for both users, as the reference's stable descending sort over
+layers in index order): equal layer scores rank the **lower** layer first, equal head entropies rank the **lower**
+head index first. Growth goes deep-to-shallow by default (the paper);
 `shallow_to_deep` and `lowest_entropy` are the paper's ablations.
 """
 
@@ -19,10 +20,10 @@ def _sign(selection: str) -> float:
 
 def top_layers(scores, excluded, count: int, selection: str = "highest_entropy") -> list[int]:
     """The `count` best-scoring layers outside `excluded` (mean head entropy; highest first, or lowest first for the
-    ablation); ties: the deeper layer first."""
+    ablation); ties: the lower layer first (the reference sorts layers in index order with a stable sort)."""
     sign = _sign(selection)
     eligible = [layer for layer in range(len(scores)) if layer not in set(excluded)]
-    eligible.sort(key=lambda layer: (sign * float(scores[layer]), -layer))
+    eligible.sort(key=lambda layer: (sign * float(scores[layer]), layer))
     return eligible[:count]
 
 

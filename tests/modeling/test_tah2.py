@@ -512,7 +512,7 @@ def test_base_model_is_one_qwen3_pass():
     model = convert_qwen3(q, "tah2")
     ids = torch.randint(3, 97, (1, 6))
     with torch.no_grad():
-        a = model.model(ids).last_hidden_state
+        a = model.model(ids, max_iterations=1).last_hidden_state  # one pass on purpose (looped owner)
         b = q.model(ids).last_hidden_state
     assert (a - b).abs().max() <= 1e-5
 
@@ -555,7 +555,7 @@ def test_output_hidden_states_match_qwen3_per_layer_and_give_every_depth(M):
     assert len(out.iteration_hidden_states) == int(out.iter_counts.max())
     assert plain.hidden_states is None and plain.iteration_hidden_states is None
     with torch.no_grad():
-        base = m.model(ids, attention_mask=mask, output_hidden_states=True)
+        base = m.model(ids, attention_mask=mask, output_hidden_states=True, max_iterations=1)
     for a, b in zip(base.hidden_states, ref.hidden_states):
         torch.testing.assert_close(a, b)
 

@@ -92,15 +92,137 @@ def test_gate_decay_values(decay, quarter):
     assert sched.gates(7, 500) == [0.0, 0.0, 1.0, 1.0]
 
 
-def test_ema_and_effective_entropy():
-    sched = SGTGrowthScheduler(2, 2, max_loop_depth=1, entropy_ema=0.5, growth_exclude_layers=[])
-    sched.update_entropy([[[0.4, 0.8], [0.2, 0.2]], [[0.6, 0.6], [float("nan"), None]]])
-    sched.update_entropy([[[0.8, 0.4], [0.2, 0.2]], [[0.6, 0.6], [0.9, 0.9]]])
-    assert sched.ema[0][0] == pytest.approx([0.5 * 0.2 + 0.4, 0.5 * 0.4 + 0.2])  # ê initialised to 0
-    assert sched.ema[1][1] == pytest.approx([0.45, 0.45])  # NaN/None = not measured → unchanged
-    sched.depth[0], sched.kept[0] = 1, [1]  # a looped layer ranks its kept heads by their last loop's entropy
-    assert sched.head_entropy(0) == pytest.approx([0.5, 0.15])
-    assert sched.layer_scores()[0] == pytest.approx(0.325)
+def test_one_ema_per_head_switches_its_input_when_the_head_loops():
+    """Spec §3.1 (the reference): one EMA per head; a kept head of a looped layer feeds its last loop's entropy, every
+    other head its first pass's, and the average carries on across a select or deepen (no restart at 0)."""
+    sched = SGTGrowthScheduler(2, 2, max_loop_depth=2, entropy_ema=0.5, growth_exclude_layers=[])
+    sched.update_entropy([[[0.4, 0.8], [0.2, 0.2], [0.0, 0.0]], [[0.6, 0.6], [float("nan"), None], [0.0, 0.0]]])
+    assert sched.ema[0] == pytest.approx([0.2, 0.4]) and sched.ema[1] == pytest.approx([0.3, 0.3])  # ê initialised to 0; first pass only
+    sched.update_entropy([[[0.8, 0.4], [0.2, 0.2], [0.1, 0.1]], [[float("nan"), None], [0.9, 0.9], [0.1, 0.1]]])
+    assert sched.ema[0] == pytest.approx([0.5, 0.4]) and sched.ema[1] == pytest.approx([0.3, 0.3])  # NaN/None = not measured → unchanged
+    sched.depth[0], sched.kept[0] = 1, [1]  # layer 0 loops once with head 1 kept
+    sched.update_entropy([[[0.6, 0.6], [0.2, 0.8], [0.0, 0.0]], [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]]])
+    # head 0 (not kept) keeps reading the first pass; head 1 switches to loop 1 and continues from 0.4
+    assert sched.ema[0] == pytest.approx([0.5 * 0.5 + 0.5 * 0.6, 0.5 * 0.4 + 0.5 * 0.8])
+    sched.depth[0] = 2  # deepened: the kept head now reads loop 2, the same average continues
+    sched.update_entropy([[[0.6, 0.6], [0.9, 0.9], [0.2, 0.2]], [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]]])
+    assert sched.ema[0] == pytest.approx([0.5 * 0.55 + 0.5 * 0.6, 0.5 * 0.6 + 0.5 * 0.2])
+    assert sched.head_entropy(0) == pytest.approx([0.575, 0.4])
+    assert sched.layer_scores() == pytest.approx([0.4875, 0.5 * (0.5 * 0.3 + 0.5 * 0.5) + 0.5 * 0.5])
+
+
+def test_a_pre_per_head_state_loads_into_one_ema_per_head():
+    """A scheduler state saved with one EMA per loop index (ema[l][k][h]) resumes from the values ranking read."""
+    sched = SGTGrowthScheduler(2, 2, max_loop_depth=1, growth_exclude_layers=[])
+    state = sched.state_dict()
+    state["ema"] = [[[0.1, 0.2], [0.7, 0.8]], [[0.3, 0.4], [0.0, 0.0]]]
+    state["depth"], state["kept"], state["selected"] = [1, 0], [[1], []], [0]
+    sched.load_state_dict(state)
+    assert sched.ema == [[0.1, 0.8], [0.3, 0.4]]
+
+
+def reference_growth(entropy_at, last_step, *, num_layers, num_heads, start, window, top_k, max_layers, max_depth,
+                     keep, beta, exclude):
+    """A plain re-statement of the reference scheduler (spec §3.1, §4): per-head EMA updated right after the
+    optimizer step from the structure that produced the step's entropies, then Algorithm 1; layers ranked by a
+    stable descending sort over layer indices (ties: the lower layer first). Returns [(step, event, layer)]."""
+    ema = [[0.0] * num_heads for _ in range(num_layers)]
+    depth, kept = [0] * num_layers, [None] * num_layers
+    selected, events = [], []
+    phase, in_window, window_end = "vanilla", False, -1
+
+    def top():
+        means = {l: sum(ema[l]) / num_heads for l in range(num_layers) if l not in exclude}
+        return [l for l, _ in sorted(means.items(), key=lambda item: item[1], reverse=True)][:top_k]
+
+    def select(layer, t):
+        nonlocal in_window, window_end
+        selected.append(layer)
+        kept[layer] = sorted(sorted(range(num_heads), key=lambda h: -ema[layer][h])[:keep])
+        depth[layer] = 1
+        in_window, window_end = True, t + window
+        events.append((t, "select", layer))
+
+    for t in range(1, last_step + 1):
+        e = entropy_at(t)
+        if phase != "fixed":
+            for l in range(num_layers):
+                for h in range(num_heads):
+                    x = e[l][depth[l]][h] if kept[l] is not None and h in kept[l] else e[l][0][h]
+                    ema[l][h] = beta * ema[l][h] + (1 - beta) * x
+        if t < start:
+            continue
+        if t == start and phase == "vanilla":
+            phase = "selecting"
+            select(max(top()), t)
+            continue
+        if phase == "fixed" or (in_window and t < window_end):
+            continue
+        if not in_window:
+            continue
+        in_window = False
+        best = top()
+        deepened = next((l for l in selected if l in best and depth[l] < max_depth), None)
+        if deepened is not None:
+            depth[deepened] += 1
+            in_window, window_end = True, t + window
+            events.append((t, "deepen", deepened))
+            continue
+        candidates = [l for l in best if l not in selected and l <= min(selected)]
+        if len(selected) >= max_layers or not candidates:
+            phase = "fixed"
+            events.append((t, "fix", None))
+        else:
+            select(max(candidates), t)
+    return events, [{"layer": l, "heads": kept[l], "depth": depth[l]} for l in sorted(selected)]
+
+
+def test_select_and_deepen_within_a_short_window_scripted():
+    """A scripted trace where the looped head's EMA continuity decides: window 2, K_max 2. Layer 3 is selected at
+    t = 2 (top-2 = [3, 2]); its kept head keeps its average when it switches to the loop's entropy, so at t = 4 layer 3
+    is still in the top-2 (0.609 vs 0.563, 0.553) and is deepened. (A loop EMA restarted at 0 would drop layer 3 to
+    0.548, below layer 1's 0.553, and select layer 2 instead.)"""
+    values = [0.9, 0.59, 0.6, 0.65]
+
+    def ent(t):
+        return [[[v, v] for _ in range(3)] for v in values]
+
+    kw = dict(growth_start=2, growth_window=2, growth_top_layers=2, growth_max_layers=2, heads_per_layer=1,
+              max_loop_depth=2, entropy_ema=0.5, growth_exclude_layers=[0])
+    sched = SGTGrowthScheduler(4, 2, **kw)
+    trace = run(sched, ent, 12)
+    assert trace == [(2, "select", 3, 1), (4, "deepen", 3, 2), (6, "select", 2, 1), (8, "deepen", 2, 2),
+                     (10, "fix", None, None)]
+    assert sched.layer_scores()[3] == pytest.approx(0.65 * (1 - 0.5 ** 10))  # one unbroken average
+    events, plan = reference_growth(ent, 12, num_layers=4, num_heads=2, start=2, window=2, top_k=2, max_layers=2,
+                                    max_depth=2, keep=1, beta=0.5, exclude=[0])
+    assert [(t, kind, layer) for t, kind, layer, _ in trace] == events and sched.plan() == plan
+
+
+@pytest.mark.parametrize("window, top_k, max_depth", [(3, 3, 1), (3, 2, 2), (4, 2, 1), (4, 3, 3), (2, 2, 3)])
+def test_short_window_traces_match_the_reference_scheduler(window, top_k, max_depth):
+    """Seeded random entropy traces (loops with their own entropies, drifting layer means): the scheduler selects,
+    deepens and fixes at the same steps, with the same heads, as the re-stated reference."""
+    import random
+
+    L, H = 6, 4
+    for seed in range(40):
+        rng = random.Random(1000 * window + 100 * top_k + 10 * max_depth + seed)
+        base = [[rng.random() for _ in range(H)] for _ in range(L)]
+        drift = [rng.uniform(-0.05, 0.05) for _ in range(L)]
+        loop_shift = [[rng.uniform(-0.3, 0.3) for _ in range(max_depth + 1)] for _ in range(L)]
+        trace = {t: [[[min(1.0, max(0.0, base[l][h] + drift[l] * t + loop_shift[l][k] * (k > 0)
+                                       + rng.gauss(0, 0.05))) for h in range(H)]
+                      for k in range(max_depth + 1)] for l in range(L)] for t in range(1, 41)}
+        kw = dict(growth_start=3, growth_window=window, growth_top_layers=top_k, growth_max_layers=3,
+                  heads_per_layer=2, max_loop_depth=max_depth, entropy_ema=0.5, growth_exclude_layers=[0])
+        sched = SGTGrowthScheduler(L, H, **kw)
+        ours = run(sched, trace.__getitem__, 40)
+        events, plan = reference_growth(trace.__getitem__, 40, num_layers=L, num_heads=H, start=3, window=window,
+                                        top_k=top_k, max_layers=3, max_depth=max_depth, keep=2, beta=0.5,
+                                        exclude=[0])
+        assert [(t, kind, layer) for t, kind, layer, _ in ours] == events, seed
+        assert sched.plan() == plan, seed
 
 
 def test_two_stage_head_schedule():
@@ -337,7 +459,8 @@ def test_config_carries_the_ablation_knobs_into_the_scheduler():
 @pytest.mark.parametrize("selection", ["highest_entropy", "lowest_entropy"])
 def test_calibration_plan_equals_the_scheduler_on_constant_entropies(direction, selection):
     """With entropies that never change, growth ends where calibration starts: same layers, heads, depth — ties
-    included: layers 3 and 5 tie for the last top-3 place, and the deeper one (5) gets it in both."""
+    included: layers 3 and 5 tie for the last top-3 place, and the lower one (3) gets it in both (the reference's
+    stable sort over layers in index order)."""
     from hf_loops.conversion.sgt import plan_from_entropy
 
     scores = [0.99, 0.1, 0.2, 0.5, 0.3, 0.5, 0.7, 0.8]
@@ -349,4 +472,4 @@ def test_calibration_plan_equals_the_scheduler_on_constant_entropies(direction, 
     entropy = torch.tensor([step[0] for step in scripted(scores, depth=2)])
     assert plan_from_entropy(entropy, cfg) == sched.plan()
     if selection == "highest_entropy":
-        assert 5 in sched.selected and 3 not in sched.selected
+        assert 3 in sched.selected and 5 not in sched.selected
