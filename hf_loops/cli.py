@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=None)
     sub.add_parser("pretrain", help="rebuild the embedded default base (see `hf-loops pretrain --help`)",
                    add_help=False).set_defaults(func=None)
+    sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a checkpoint, through transformers' own "
+                                 "server (see `hf-loops serve --help`)", add_help=False).set_defaults(func=None)
 
     g = sub.add_parser("generate", help="generate from a checkpoint, optionally showing per-token depth")
     g.add_argument("model")
@@ -215,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluation import main as eval_main
 
         return eval_main(argv[1:])
+    if argv[:1] == ["serve"]:  # transformers' server owns the run; its options are in hf_loops.serving.http
+        from .serving.http import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["pretrain"]:
         from .training.pretrain_base import cli as pretrain_cli
 

@@ -4,9 +4,13 @@ mode "fsdp": one TaH2 SFT step through `TaH2SFTTrainer` whose args ask for FSDP2
 `fsdp_config={"fsdp_version": 2, ...}`): the Trainer/accelerate wrap every `Qwen3DecoderLayer` with `fully_shard`.
 mode "eval": one evaluation step of a TaH2 with M = 3 whose ranks want different depths (rank 0 continues everywhere,
 rank 1 stops after depth 1): the depth passes must be agreed over ranks or the lookahead's collectives hang.
+mode "config": the same SFT step with NO FSDP settings in the Trainer's args: what `accelerate launch --config_file`
+puts in the environment decides (FSDP2, FSDP1 or DDP). Records the distributed type and, per rank, how many parameters
+are sharded (DTensor) and how many elements this rank holds. A one-line refusal (ValueError) is saved as `refused`.
 Each rank saves its batch, labels, δ_cut, β, loss (and, for fsdp, the full weights after the step) to
 OUT/{mode}_rank{r}.pt."""
 
+import faulthandler
 import os
 import sys
 
@@ -20,7 +24,7 @@ from conversion_helpers import tiny_tokenizer  # noqa: E402
 from tah2_helpers import script_decider, tiny_tah2  # noqa: E402
 
 from hf_loops.training.tah2_trainer import TaH2SFTConfig, TaH2SFTTrainer  # noqa: E402
-from hf_loops.training.train_tah2 import final_state_dict, fsdp_on_cpu, unsharded_model  # noqa: E402
+from hf_loops.training.train_tah2 import check_launch, final_state_dict, fsdp_on_cpu, unsharded_model  # noqa: E402
 
 ROWS, LENGTH, M = 4, 12, 3
 
@@ -51,6 +55,8 @@ class Recording(TaH2SFTTrainer):
 
 
 def main(mode, out):
+    # A rank waiting on a collective its peer never issues would hang the suite: dump the stacks and exit instead.
+    faulthandler.dump_traceback_later(float(os.environ.get("HF_DIST_WATCHDOG_S", "300")), exit=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     common = dict(output_dir=os.path.join(out, "run"), use_cpu=True, bf16=False, report_to="none", seed=0,
                   max_steps=1, learning_rate=1e-3, per_device_train_batch_size=ROWS // world,
@@ -58,6 +64,8 @@ def main(mode, out):
                   logging_steps=1, dataloader_num_workers=0, disable_tqdm=True, max_length=None,
                   padding_free=False, dataset_kwargs={"skip_prepare_dataset": False})
     net = model()
+    if mode == "config":
+        return config_step(net, common, world, out)
     if mode == "fsdp":
         if world > 1:
             common.update(fsdp="full_shard", fsdp_config={
@@ -95,6 +103,38 @@ def main(mode, out):
     rank = int(os.environ.get("RANK", "0"))
     if out is not None:
         torch.save(trainer.recorded, os.path.join(out, f"{mode}_rank{rank}.pt"))
+    return trainer.recorded
+
+
+def config_step(net, common, world, out):
+    """One SFT step where only the launcher's environment asks for FSDP (the Trainer's args do not)."""
+    from torch.distributed.tensor import DTensor
+
+    rank = int(os.environ.get("RANK", "0"))
+    args = TaH2SFTConfig(**common)
+    try:
+        check_launch(args)  # what `hf-loops train` does before it builds the Trainer
+        trainer = Recording(model=net, args=args, train_dataset=Dataset.from_list(fixed_rows()),
+                            processing_class=tiny_tokenizer())
+        fsdp_on_cpu(trainer)
+    except ValueError as err:
+        record = {"refused": str(err)}
+        torch.save(record, os.path.join(out, f"config_rank{rank}.pt"))
+        return record
+    chosen = str(trainer.accelerator.state.distributed_type)
+    trainer.get_train_dataloader = lambda: sharded_loader(trainer, world)
+    trainer.train()
+    params = list(trainer.model_wrapped.parameters())
+    trainer.recorded.update(
+        distributed_type=chosen, wrapped=type(trainer.model_wrapped).__name__,
+        parameters=len(params), sharded=sum(isinstance(p, DTensor) for p in params),
+        local_elements=sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+        full_elements=sum(p.numel() for p in params),
+        grad_norm=[h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h])
+    state = final_state_dict(trainer)  # collective under FSDP
+    state = trainer.model.state_dict() if state is None else state
+    trainer.recorded["weights"] = {k: v.detach().cpu().clone() for k, v in state.items()}
+    torch.save(trainer.recorded, os.path.join(out, f"config_rank{rank}.pt"))
     return trainer.recorded
 
 

@@ -13,10 +13,16 @@ def _fmt(v) -> str:
     return json.dumps(v) if isinstance(v, (list, dict, bool)) or v is None else str(v)
 
 
+def _is_hub_id(name: str | None) -> bool:
+    return bool(name) and name.count("/") == 1 and not os.path.exists(name)
+
+
 def render_model_card(model, source: str | None = None, report: dict | None = None, license: str = "apache-2.0",
-                      repo_id: str | None = None, title: str | None = None) -> str:
+                      repo_id: str | None = None, title: str | None = None, training: dict | None = None) -> str:
     """README.md text: architecture, source checkpoint, config summary, parameter counts, parity, usage, licence,
-    citation. `report` is `conversion_report(...)`'s dict (parameter counts and the 1-loop parity)."""
+    citation. `report` is `conversion_report(...)`'s dict (parameter counts and the 1-loop parity). `training`, for a
+    trained model: {"trainer", "dataset", "dataset_split", "eval_dataset", "eval_split", "recipe", "steps", "epochs", "hyperparameters": {...},
+    "metrics": {...}} (any may be missing), written as a Training section and front-matter fields."""
     from .registry import ARCHITECTURES
 
     cfg = model.config
@@ -26,19 +32,29 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
     report = dict(report or {})
     params = report.get("params", sum(p.numel() for p in model.parameters()))
     name = repo_id or "path/to/this/checkpoint"
+    training = dict(training or {})
     front = ["---", f"license: {license}", "library_name: transformers", "pipeline_tag: text-generation",
              "tags:", "- hf_loops", f"- {arch}", "- looped-transformer"]
-    if source and source.count("/") == 1 and not os.path.exists(source):  # a Hub id, not a local path
-        front += [f"base_model: {source}"]
+    if training:
+        front += ["- trl", "- sft"]
+    if _is_hub_id(source):  # a Hub id, not a local path
+        front += [f"base_model: {source}"] + (["base_model_relation: finetune"] if training else [])
+    hub_datasets = [d for d in (training.get("dataset"), training.get("eval_dataset")) if _is_hub_id(d)]
+    if hub_datasets:
+        front += ["datasets:"] + [f"- {d}" for d in dict.fromkeys(hub_datasets)]
     front += ["---", ""]
     lines = [f"# {title or name.rsplit('/', 1)[-1]}", "",
              f"**Architecture:** {spec.title if spec is not None else arch} — `model_type: {arch}`, class "
              f"`{type(model).__name__}`.", ""]
     if paper:
         lines += [f"Paper: *{paper}*, [arXiv:{arxiv}](https://arxiv.org/abs/{arxiv}).", ""]
-    lines += [f"**Source checkpoint:** `{source}`" if source else "**Source checkpoint:** (not recorded)",
-              "", "Converted with `hf_loops` (`convert_qwen3`): the Qwen3 weights keep their "
-              "state-dict names; modules the architecture adds are freshly initialised (see the config summary).", ""]
+    lines += [f"**Source checkpoint:** `{source}`" if source else "**Source checkpoint:** (not recorded)", ""]
+    if training:
+        lines += [f"Converted with `hf_loops` (`convert_qwen3`), then post-trained with `hf-loops train` "
+                  f"(`{training.get('trainer', 'TaH2SFTTrainer')}`): see Training below.", ""]
+    else:
+        lines += ["Converted with `hf_loops` (`convert_qwen3`): the Qwen3 weights keep their state-dict names; modules "
+                  "the architecture adds are freshly initialised (see the config summary).", ""]
     lines += ["## Configuration", "", "| field | value |", "|---|---|"]
     for key in list(spec.summary_fields if spec is not None else ()) + BACKBONE_FIELDS:
         if hasattr(cfg, key):
@@ -49,8 +65,12 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
     lines.append(f"| this model | {params:,} |")
     if "added_params" in report:
         lines.append(f"| added by the conversion | {report['added_params']:,} |")
+    if training:
+        lines += training_section(training)
     lines += ["", "## Parity with the source", ""]
-    if report.get("parity_max_abs_diff") is not None:
+    if training and report.get("parity_max_abs_diff") is None and not report.get("parity_note"):
+        lines.append("Not measured: training changed the weights, so the converted model's parity no longer applies.")
+    elif report.get("parity_max_abs_diff") is not None:
         lines.append(f"With the loop switched off ({report.get('parity_setting', 'one pass')}) the logits differ from "
                      f"the source's by at most **{report['parity_max_abs_diff']:.3g}** (max-abs over "
                      f"{report.get('parity_prompts', 'a few')} prompts, dtype {report.get('dtype', '?')}).")
@@ -71,3 +91,21 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
     if bibtex:
         lines += ["## Citation", "", "```bibtex", bibtex, "```", ""]
     return "\n".join(front + lines)
+
+
+def training_section(training: dict) -> list[str]:
+    """The Training section of a trained model's card: data, recipe, steps, hyper-parameters, final metrics."""
+    lines = ["", "## Training", ""]
+    for label, key, split in (("dataset", "dataset", "dataset_split"), ("evaluation dataset", "eval_dataset", "eval_split"),
+                              ("recipe", "recipe", None), ("optimizer steps", "steps", None), ("epochs", "epochs", None)):
+        if training.get(key) is not None:
+            where = f" (split `{training[split]}`)" if split and training.get(split) and _is_hub_id(training[key]) else ""
+            lines.append(f"- {label}: `{_fmt(training[key])}`{where}")
+    if training.get("hyperparameters"):
+        lines += ["", "| hyper-parameter | value |", "|---|---|"]
+        lines += [f"| `{k}` | `{_fmt(v)}` |" for k, v in training["hyperparameters"].items()]
+    if training.get("metrics"):
+        lines += ["", "Final metrics:", "", "| metric | value |", "|---|---|"]
+        lines += [f"| `{k}` | {v:.6g} |" if isinstance(v, float) else f"| `{k}` | {_fmt(v)} |"
+                  for k, v in training["metrics"].items()]
+    return lines

@@ -547,7 +547,7 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     from transformers import set_seed
 
     from ..conversion.checks import load_tokenizer
-    from ..conversion.export import atomic_output_dir, remote_code_saving
+    from ..conversion.export import atomic_output_dir, save_hub_files
     from .tah2_trainer import TaH2SFTTrainer
     from .token_budget import apply_token_budget, pop_token_budget
 
@@ -557,6 +557,7 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     budget = pop_token_budget(recipe, rest)  # max_tokens_per_batch, global_batch_size: batching, not trainer fields
     overrides = model_overrides(args.arch, recipe, args, fields)
     config = trainer_config(recipe, rest, args.output_dir, eval_dataset=args.eval_dataset is not None)
+    check_launch(config)  # before any loading: a launch this machine would run as something else is refused
     if budget is not None:
         budget.detach_max_length(config)  # over-long samples are dropped by the budget sampler, not truncated
     tokenizer = load_tokenizer(args.tokenizer or args.base, "--tokenizer" if args.tokenizer else "--base")
@@ -607,13 +608,12 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     final = trainer.model if state_dict is None else unsharded_model(trainer, state_dict)
     if hasattr(final, "merge_and_unload"):
         final = final.merge_and_unload()
-    final.generation_config.eos_token_id = tokenizer.eos_token_id
-    final.generation_config.pad_token_id = tokenizer.pad_token_id
     if trainer.args.should_save:
         with atomic_output_dir(args.output_dir, "train", merge=True) as tmp:
-            with remote_code_saving(final):
-                final.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            # The files `export` writes (one eos convention, use_cache on, the model card), plus the run record.
+            save_hub_files(final, tmp, tokenizer, source=args.base, repo_id=args.push_to_hub,
+                           title=None if args.push_to_hub else os.path.basename(os.path.abspath(args.output_dir)),
+                           training=training_facts(trainer, result, args))
             write_run_record(tmp, trainer, result, args, recipe_given, final.config, argv, fields)
     if args.push_to_hub and trainer.args.should_save:
         push_checkpoint(args.output_dir, args.push_to_hub, private=args.private)
@@ -666,19 +666,131 @@ def unsharded_model(trainer, state_dict):
 
 
 def fsdp_on_cpu(trainer) -> bool:
-    """Run the Trainer's FSDP settings on CPU processes (gloo) too. accelerate 1.15 builds the FSDP plugin from
-    `fsdp`/`fsdp_config` but switches FSDP on only for accelerator distributed types: on CPU the run would silently be
-    DDP. Marking the state FSDP with that plugin makes `accelerator.prepare` apply `fully_shard` (FSDP2) as on GPUs.
-    Returns whether it changed anything."""
+    """Run FSDP on CPU processes (gloo) too, whether it was asked for by the Trainer's `fsdp`/`fsdp_config` or by
+    `accelerate launch --config_file` (`distributed_type: FSDP` puts `ACCELERATE_USE_FSDP=true`, `FSDP_VERSION` and
+    the other `FSDP_*` settings in the environment). accelerate 1.15 builds the plugin in both cases but switches FSDP
+    on only for accelerator distributed types: on CPU the run would silently be DDP with nothing sharded. Marking the
+    state FSDP with that plugin makes `accelerator.prepare` apply `fully_shard` (FSDP2) as on GPUs. The Trainer's own
+    settings win over the environment, as they do on GPUs. Returns whether it changed anything."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state = trainer.accelerator.state
-    if trainer.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+    plugin_args = trainer.args.fsdp_plugin_args
+    if state.distributed_type != DistributedType.MULTI_CPU or (plugin_args is None and not fsdp_from_environment()):
         return False
+    check_launch(trainer.args)
+    # With no arguments the plugin reads FSDP_VERSION and the other FSDP_* variables itself, as accelerate does.
+    plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args is not None else FullyShardedDataParallelPlugin()
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)  # what accelerate does for FSDP on accelerators
+    if plugin.activation_checkpointing and getattr(trainer.args, "activation_checkpointing", False):
+        # The Trainer's own check on accelerators, which the CPU path skips.
+        raise ValueError("FSDP activation checkpointing (fsdp_activation_checkpointing: true) and the "
+                         "activation_checkpointing (gradient_checkpointing) training argument cannot both be on; "
+                         "use one of them")
     state.distributed_type = DistributedType.FSDP
-    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
     return True
+
+
+def fsdp_from_environment() -> bool:
+    """Whether the launcher asked for FSDP (`accelerate launch` with `distributed_type: FSDP`, or `--use_fsdp`)."""
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_FSDP", default=False)
+
+
+def check_launch(args) -> None:
+    """Refuse, in one line and before anything is loaded, a launch that cannot train TaH2 (DeepSpeed ZeRO-3) or that
+    this machine would silently run as something else: FSDP1 or parameter offloading on CPU processes (accelerate's FSDP1 plugin needs an accelerator device and fails deep inside the
+    Trainer), and an accelerate config with `distributed_type: MULTI_CPU` and several processes, which `accelerate
+    launch` starts as ONE plain process unless mpirun runs it. The Trainer's `fsdp_config` wins over the launcher's
+    environment, as in the Trainer itself."""
+    from accelerate.utils import get_int_from_env, parse_flag_from_env
+
+    world = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    # accelerate's simple (CPU) launcher alone sets ACCELERATE_USE_CPU, and sets MASTER_ADDR only for num_processes > 1
+    if parse_flag_from_env("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and world == 1:
+        raise ValueError("the accelerate config asks for several CPU processes (distributed_type: MULTI_CPU) but "
+                         "accelerate launch started one (it runs MULTI_CPU only through mpirun: mpirun_hostfile); use "
+                         "distributed_type: MULTI_GPU with use_cpu: false, which starts gloo processes on CPU, or torchrun")
+    stage, source = deepspeed_zero_stage(args)
+    if stage == 3:
+        # Measured on CPU (DeepSpeed 0.19, ZeRO-3): backward fails. TaH2's zero-weighted anchor over the updater and
+        # decider parameters reads them outside their modules, where ZeRO-3 holds empty placeholders.
+        raise ValueError(f"DeepSpeed ZeRO-3 (from {source}) cannot train TaH2 yet: the zero-weighted term that reaches "
+                         "the updater and decider parameters reads them outside their modules, where ZeRO-3 keeps "
+                         "empty placeholders, and backward fails; use ZeRO-2 or FSDP2")
+    if args.fsdp_plugin_args is not None:
+        version, source = int(args.fsdp_plugin_args.get("fsdp_version", 1)), "the Trainer's fsdp_config"
+        offload = bool(args.fsdp_plugin_args.get("cpu_offload", False))
+    elif fsdp_from_environment():
+        version, source = int(os.environ.get("FSDP_VERSION", "1")), "the accelerate config"
+        offload = parse_flag_from_env("FSDP_OFFLOAD_PARAMS", default=False)
+    else:
+        return
+    if not on_cpu(args):
+        return
+    if version != 2:
+        raise ValueError(f"fsdp_version {version} from {source} cannot run on CPU processes (accelerate's FSDP1 "
+                         "needs an accelerator device); set fsdp_version: 2 (fully_shard), which runs on CPU with gloo")
+    if offload:  # torch's CPUOffloadPolicy pins memory for an accelerator: fully_shard fails without one
+        raise ValueError(f"fsdp_offload_params (cpu_offload) from {source} cannot run on CPU processes: the "
+                         "parameters already live on the CPU; set it to false")
+
+
+def deepspeed_zero_stage(args) -> tuple[int | None, str]:
+    """The ZeRO stage asked for by the Trainer's `deepspeed` config (a dict or JSON file) or by `accelerate launch`
+    with `distributed_type: DEEPSPEED` (a stage, or a DeepSpeed JSON file, in the environment); None without
+    DeepSpeed. Returns (stage, where it came from)."""
+    from accelerate.utils import parse_flag_from_env
+
+    def stage_of(config) -> int | None:
+        if isinstance(config, str) and os.path.isfile(config):
+            with open(config) as f:
+                config = json.load(f)
+        stage = config.get("zero_optimization", {}).get("stage") if isinstance(config, dict) else None
+        return None if stage in (None, "auto") else int(stage)
+
+    if getattr(args, "deepspeed", None):
+        return stage_of(args.deepspeed), "the Trainer's deepspeed config"
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED", default=False):
+        file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if file and file != "none":
+            return stage_of(file), "the accelerate config's DeepSpeed file"
+        return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")), "the accelerate config"
+    return None, ""
+
+
+def on_cpu(args) -> bool:
+    """Whether the Trainer's processes run on CPU (asked for, or no accelerator on this machine)."""
+    import torch
+
+    return bool(args.use_cpu) or not torch.accelerator.is_available()
+
+
+def training_facts(trainer, result, args) -> dict:
+    """What the model card says about the run: data, recipe, steps, the hyper-parameters that define it, final
+    metrics (the training result, then the last evaluation)."""
+    t = trainer.args
+    hyper = {"learning_rate": t.learning_rate, "lr_scheduler_type": str(getattr(t.lr_scheduler_type, "value",
+                                                                                 t.lr_scheduler_type)),
+             "warmup": t.warmup_steps, "weight_decay": t.weight_decay,
+             "per_device_train_batch_size": t.per_device_train_batch_size,
+             "gradient_accumulation_steps": t.gradient_accumulation_steps, "processes": t.world_size,
+             "max_length": getattr(t, "max_length", None), "num_train_epochs": t.num_train_epochs,
+             "max_steps": t.max_steps, "seed": t.seed, "weights_dtype": args.dtype, "bf16": t.bf16}
+    if args.lora:
+        hyper.update(lora_r=args.lora_r, lora_alpha=args.lora_alpha)
+    metrics = {k: v for k, v in dict(result.metrics).items() if isinstance(v, (int, float))}
+    evals = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
+    if evals:
+        metrics.update({k: v for k, v in evals[-1].items() if k.startswith("eval_") and isinstance(v, (int, float))})
+    return {"trainer": type(trainer).__name__, "dataset": args.dataset, "dataset_split": args.dataset_split,
+            "eval_dataset": args.eval_dataset, "eval_split": args.eval_split if args.eval_dataset else None,
+            "recipe": args.recipe, "steps": trainer.state.global_step,
+            "epochs": round(float(trainer.state.epoch or 0), 4), "hyperparameters": hyper, "metrics": metrics}
 
 
 def write_run_record(folder: str, trainer, result, args, recipe: dict, config, argv: list[str],
