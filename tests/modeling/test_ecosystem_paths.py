@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import fnmatch
 import re
-import tracemalloc
 
 import pytest
 import torch
@@ -181,7 +180,6 @@ def test_config_return_dict_false_is_honoured_and_the_causal_lm_still_runs(arch)
 def plan_style(plan: dict, param_name: str):
     """The plan entry that applies to a parameter, found the way transformers' `verify_tp_plan` does: layer indices
     become `*`, then the parameter's own name or its module's name is looked up."""
-    import re
 
     generic = re.sub(r"\d+", "*", param_name)
     if generic in plan:
