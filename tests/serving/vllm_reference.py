@@ -1,0 +1,67 @@
+"""Reference side of the vLLM tests, run with the project's own Python (transformers >= 5.24, where TaH2's HF forward
+runs): builds a tiny random TaH2, saves it with the embedded base's tokenizer, and writes our HF `generate`'s greedy
+tokens (fp32) for the given prompts, plus every prompt's per-token executed depths.
+
+    python tests/serving/vllm_reference.py SPEC.json OUT_DIR
+
+SPEC: {"seed": int, "tah2": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [REPO]
+
+# head_dim 32: the smallest head size vLLM's CPU attention kernel takes; vocabulary of the embedded base's tokenizer
+QWEN = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+            pad_token_id=0, eos_token_id=2, bos_token_id=0)
+
+
+def build(spec: dict, out_dir: str):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hf_loops.conversion import convert_qwen3
+
+    seed = spec.get("seed", 0)
+    torch.manual_seed(seed)
+    qwen = Qwen3ForCausalLM(Qwen3Config(**QWEN)).eval()
+    with torch.no_grad():  # a sharper next-token distribution: greedy argmax far from ties
+        qwen.lm_head.weight.mul_(8.0)
+    model = convert_qwen3(qwen, "tah2", **spec.get("tah2", {})).eval()
+    if model.decider is not None:  # g far from τ: float noise between two exact computations cannot flip a decision
+        with torch.no_grad():
+            torch.manual_seed(seed + 1)
+            model.decider.score.weight.normal_(0.0, 3.0)
+    return model
+
+
+def main(spec_path: str, out_dir: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    model = build(spec, out_dir)
+    model_dir = os.path.join(out_dir, "model")
+    model.save_pretrained(model_dir)
+    base = os.path.join(REPO, "hf_loops", "data", "base")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(base, name), model_dir)
+    model.generation_config.eos_token_id = None  # fixed-length outputs (vLLM side: ignore_eos)
+    outputs, prompt_depths = [], []
+    with torch.no_grad():
+        for ids in spec["prompts"]:
+            x = torch.tensor([ids])
+            out = model.generate(x, max_new_tokens=spec["max_new_tokens"], do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(ids):].tolist())
+            prompt_depths.append(model(x, use_cache=False).iter_counts[0].tolist())
+    with open(os.path.join(out_dir, "expected.json"), "w") as f:
+        json.dump({"tokens": outputs, "prompt_depths": prompt_depths}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
