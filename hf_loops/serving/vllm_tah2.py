@@ -140,6 +140,7 @@ class DeepPlan:
         kp = key_pos.view(1, 1, P)
         earlier = (kp <= qp) & (kp < meta.seq_lens.index_select(0, torch.tensor(req_ids, device=device))
                                 .view(G, 1, 1).to(device))
+        self.own_position = (kp == qp)[:, None]  # (G, 1, n, P)
         masks = []
         for s in self.streams:
             exists = depth[:, None, :] > s

@@ -2,9 +2,10 @@
 runs): builds a tiny random TaH2, saves it with the embedded base's tokenizer, and writes our HF `generate`'s greedy
 tokens (fp32) for the given prompts, plus every prompt's per-token executed depths.
 
-    python tests/serving/vllm_reference.py SPEC.json OUT_DIR
+    python tests/serving/vllm_reference.py SPECS.json OUT_DIR
 
-SPEC: {"seed": int, "tah2": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}.
+SPECS: {name: {"seed": int, "tah2": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}}; each
+name gets OUT_DIR/name/model (the export) and OUT_DIR/name/expected.json (tokens, prompt_depths).
 """
 
 import json
@@ -33,7 +34,7 @@ def build(spec: dict, out_dir: str):
     torch.manual_seed(seed)
     qwen = Qwen3ForCausalLM(Qwen3Config(**QWEN)).eval()
     with torch.no_grad():  # a sharper next-token distribution: greedy argmax far from ties
-        qwen.lm_head.weight.mul_(8.0)
+        qwen.lm_head.weight.mul_(4.0)
     model = convert_qwen3(qwen, "tah2", **spec.get("tah2", {})).eval()
     if model.decider is not None:  # g far from τ: float noise between two exact computations cannot flip a decision
         with torch.no_grad():
@@ -42,9 +43,14 @@ def build(spec: dict, out_dir: str):
     return model
 
 
-def main(spec_path: str, out_dir: str) -> None:
+def main(spec_path: str, out_root: str) -> None:
     with open(spec_path) as f:
-        spec = json.load(f)
+        specs = json.load(f)
+    for name, spec in specs.items():
+        reference(spec, os.path.join(out_root, name))
+
+
+def reference(spec: dict, out_dir: str) -> None:
     model = build(spec, out_dir)
     model_dir = os.path.join(out_dir, "model")
     model.save_pretrained(model_dir)
@@ -52,15 +58,19 @@ def main(spec_path: str, out_dir: str) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(base, name), model_dir)
     model.generation_config.eos_token_id = None  # fixed-length outputs (vLLM side: ignore_eos)
-    outputs, prompt_depths = [], []
+    outputs, logprobs, prompt_depths = [], [], []
     with torch.no_grad():
         for ids in spec["prompts"]:
             x = torch.tensor([ids])
-            out = model.generate(x, max_new_tokens=spec["max_new_tokens"], do_sample=False, pad_token_id=0)
-            outputs.append(out[0, len(ids):].tolist())
+            out = model.generate(x, max_new_tokens=spec["max_new_tokens"], do_sample=False, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(ids):].tolist()
+            outputs.append(tokens)
+            # scores = the mixture's log-probabilities log q (no logits processor under greedy decoding)
+            logprobs.append([float(step[0, t]) for step, t in zip(out.scores, tokens)])
             prompt_depths.append(model(x, use_cache=False).iter_counts[0].tolist())
     with open(os.path.join(out_dir, "expected.json"), "w") as f:
-        json.dump({"tokens": outputs, "prompt_depths": prompt_depths}, f)
+        json.dump({"tokens": outputs, "logprobs": logprobs, "prompt_depths": prompt_depths}, f)
 
 
 if __name__ == "__main__":

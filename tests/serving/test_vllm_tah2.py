@@ -1,0 +1,168 @@
+"""TaH2 served by vLLM (CPU, eager) through the hf_loops plugin: greedy tokens equal our HF `generate` in fp32.
+
+Runs in `.venv-vllm` (`make test-vllm`); skipped where vLLM is not installed. The reference side (tiny random TaH2
+exports and their HF `generate` tokens) runs in the project's own Python, where transformers >= 5.24 runs TaH2's HF
+forward: `HF_LOOPS_REFERENCE_PYTHON`, default `<repo>/.venv/bin/python`.
+
+Every model is served with continuous batching (requests arrive while others decode), chunked prefill (a token
+budget of 16 per step, prompts up to 44 tokens) and prefix caching (two prompts share a 40-token prefix; blocks of
+32 tokens, so the second one hits the cache).
+"""
+
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: the negative control patches it
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+REFERENCE_PYTHON = os.environ.get("HF_LOOPS_REFERENCE_PYTHON", os.path.join(REPO, ".venv", "bin", "python"))
+
+_rng = random.Random(0)
+PREFIX = [_rng.randrange(3, 8000) for _ in range(40)]
+PROMPTS = [
+    PREFIX + [11, 12, 13, 14],  # 44 tokens: three prefill chunks
+    PREFIX + [21, 22],  # shares the first 32-token block with the first prompt (prefix-cache hit)
+    [100, 200, 300],
+    [42],
+    [_rng.randrange(3, 8000) for _ in range(17)],
+]
+NEW_TOKENS = 10
+MODELS = {
+    "duo_m2": {"max_iterations": 2},
+    "duo_m3": {"max_iterations": 3},
+    "causal_m2": {"max_iterations": 2, "iteration_attention": "causal"},
+    "causal_m3": {"max_iterations": 3, "iteration_attention": "causal"},
+    "fixed_m3": {"max_iterations": 3, "iteration_attention": "causal", "decider": "always", "mixture": "even"},
+    "same_iter_m2": {"max_iterations": 2, "iteration_attention": "same_iter"},
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    if not os.path.exists(REFERENCE_PYTHON):
+        pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
+    root = tmp_path_factory.mktemp("vllm_tah2")
+    specs = {name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
+             for i, (name, tah2) in enumerate(MODELS.items())}
+    (root / "specs.json").write_text(json.dumps(specs))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM")}
+    env["PYTHONPATH"] = REPO
+    subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), str(root / "specs.json"), str(root)],
+                   check=True, env=env, timeout=600, capture_output=True)
+    out = {}
+    for name in MODELS:
+        with open(root / name / "expected.json") as f:
+            out[name] = dict(json.load(f), model=str(root / name / "model"))
+    return out
+
+
+def make_llm(model_dir):
+    return vllm.LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                    max_num_batched_tokens=16, block_size=32, enable_prefix_caching=True, seed=0)
+
+
+def close(llm):
+    del llm
+    gc.collect()
+
+
+def run_staggered(llm, prompts, params):
+    """Requests arrive one by one while earlier ones are prefilling/decoding; returns each request's final output."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    done, pending = {}, list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 0:  # a new request every other engine step
+            i, ids = pending.pop(0)
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+def greedy(n=NEW_TOKENS, **kw):
+    return vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1, **kw)
+
+
+def tokens_and_logprobs(outs):
+    """Each request's tokens and the log-probability vLLM reports for them (our log q: logits are log q already)."""
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, toks)] for o, toks in zip(outs, tokens)]
+    return tokens, logprobs
+
+
+def max_logprob_gap(a, b):
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_equal_hf_generate(references, name):
+    ref = references[name]
+    depths = [d for row in ref["prompt_depths"] for d in row]
+    M = MODELS[name]["max_iterations"]
+    assert max(depths) == M and min(depths) >= 1  # the deeper passes matter for these prompts
+    llm = make_llm(ref["model"])
+    try:
+        outs = run_staggered(llm, PROMPTS, greedy())
+    finally:
+        close(llm)
+    tokens, logprobs = tokens_and_logprobs(outs)
+    assert tokens == ref["tokens"]
+    assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4  # the same distribution, not only the same argmax
+    assert outs[1].num_cached_tokens >= 32  # the shared prefix came from the prefix cache
+
+
+def test_stop_string(references):
+    ref = references["duo_m2"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ref["model"])
+    full = tok.decode(ref["tokens"][0])
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    llm = make_llm(ref["model"])
+    try:
+        (out,) = run_staggered(llm, PROMPTS[:1], greedy(stop=[stop]))
+    finally:
+        close(llm)
+    got = out.outputs[0]
+    assert got.finish_reason == "stop" and got.text == full[: full.find(stop)]
+    assert list(got.token_ids) == ref["tokens"][0][: len(got.token_ids)]
+
+
+def test_negative_control_hidden_deeper_keys(references, monkeypatch):
+    """With every other token's deeper keys hidden, the served tokens differ: the comparison above can fail."""
+    from hf_loops.serving import vllm_tah2
+
+    original = vllm_tah2.DeepPlan.__init__
+
+    def hide_deeper(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        P = self.key_slots.shape[1]
+        deeper = self.mask[..., P:]  # every stream above 0: keep only the query's own position
+        deeper &= self.own_position.repeat(1, 1, 1, deeper.shape[-1] // P)
+
+    monkeypatch.setattr(vllm_tah2.DeepPlan, "__init__", hide_deeper)
+    ref = references["duo_m2"]
+    llm = make_llm(ref["model"])
+    try:
+        outs = run_staggered(llm, PROMPTS, greedy())
+    finally:
+        close(llm)
+    tokens, logprobs = tokens_and_logprobs(outs)
+    assert tokens != ref["tokens"] or max_logprob_gap(logprobs, ref["logprobs"]) > 1e-2
