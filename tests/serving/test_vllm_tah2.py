@@ -166,3 +166,73 @@ def test_negative_control_hidden_deeper_keys(references, monkeypatch):
         close(llm)
     tokens, logprobs = tokens_and_logprobs(outs)
     assert tokens != ref["tokens"] or max_logprob_gap(logprobs, ref["logprobs"]) > 1e-2
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body, stream=False):
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120)
+
+
+@pytest.mark.slow
+def test_openai_server_chat_and_stream(references, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1: a chat request, and a streamed completion whose
+    text equals our HF `generate`'s tokens decoded."""
+    import time
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    ref = references["duo_m3"]
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref["model"], "--served-model-name",
+         "tah2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "256", "--block-size", "32", "--max-num-batched-tokens", "16"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 400
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, "the server did not come up in 400 s"
+            time.sleep(2)
+        chat = json.load(_post(base + "/v1/chat/completions", {
+            "model": "tah2", "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True}))
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        assert isinstance(chat["choices"][0]["message"]["content"], str)
+        assert chat["usage"]["completion_tokens"] == 8
+
+        pieces = []
+        with _post(base + "/v1/completions", {"model": "tah2", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,
+                                              "temperature": 0.0, "ignore_eos": True, "stream": True}) as resp:
+            for line in resp:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
+        assert len(pieces) > 1  # streamed in several chunks
+        tok = AutoTokenizer.from_pretrained(ref["model"])
+        assert "".join(pieces) == tok.decode(ref["tokens"][0])
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
