@@ -7,15 +7,25 @@ its import path (vLLM imports it lazily) and the configuration class is register
 
 from __future__ import annotations
 
-MODEL_CLASS = "hf_loops.serving.vllm_tah2:TaH2ForCausalLMvLLM"
+MODELS = {
+    "TaH2ForCausalLM": "hf_loops.serving.vllm_tah2:TaH2ForCausalLMvLLM",
+    # recognised, refused in one line (what to use instead)
+    "SGTForCausalLM": "hf_loops.serving.vllm_tah2:SGTNotServed",
+    "SpiralFormerForCausalLM": "hf_loops.serving.vllm_tah2:SpiralFormerNotServed",
+}
 
 
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
+    from hf_loops.modeling.configuration_sgt import SGTConfig
+    from hf_loops.modeling.configuration_spiralformer import SpiralFormerConfig
     from hf_loops.modeling.configuration_tah2 import TaH2Config
 
-    AutoConfig.register(TaH2Config.model_type, TaH2Config, exist_ok=True)
-    if "TaH2ForCausalLM" not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model("TaH2ForCausalLM", MODEL_CLASS)
+    for config_class in (TaH2Config, SGTConfig, SpiralFormerConfig):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    known = set(ModelRegistry.get_supported_archs())
+    for arch, path in MODELS.items():
+        if arch not in known:
+            ModelRegistry.register_model(arch, path)

@@ -295,8 +295,8 @@ class TaH2ForCausalLMvLLM(nn.Module):
         self.runtime = _Runtime()
         self.runtime.block_size = vllm_config.cache_config.block_size
         self.dtype = vllm_config.model_config.dtype
-        # per-request depth statistics are kept by the caller; the last step's depths are exposed for tests
-        self.last_depths: torch.Tensor | None = None
+        # tokens run at each depth since the last reset (real steps only): mean depth and continue rates
+        self.depth_counts = torch.zeros(self.M, dtype=torch.long)
 
     # -- vLLM's interface ----------------------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -314,6 +314,7 @@ class TaH2ForCausalLMvLLM(nn.Module):
         if meta is not None:
             real = meta.num_actual_tokens  # the rest is padding: it never runs deeper
             self.runtime.marker[meta.slot_mapping[:real]] = 1
+            self.depth_counts[0] += real
         tokens = torch.arange(N, device=e.device)
         remaining = torch.ones(N, dtype=torch.float32, device=e.device)  # R = Π g of earlier depths
         for m in range(1, M + 1):
@@ -337,11 +338,11 @@ class TaH2ForCausalLMvLLM(nn.Module):
             plan = None
             if meta is not None:
                 self.runtime.marker[meta.slot_mapping[tokens]] = m + 1
+                self.depth_counts[m] += tokens.numel()
                 plan = DeepPlan(self.config.iteration_attention, m, tokens, positions, meta, self.runtime.marker,
                                 self.runtime.block_size)
             h = self.model.run(x, positions[tokens], m, plan, self.runtime)
         log_w = self._mixture_weights(log_w, depth)
-        self.last_depths = depth
         return torch.cat([hidden.flatten(1), log_w], dim=1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -368,6 +369,17 @@ class TaH2ForCausalLMvLLM(nn.Module):
         # the attention layers' own scale parameters are not checkpoint weights: vLLM initialises them
         loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
         return loaded
+
+    def depth_statistics(self, reset: bool = False) -> dict:
+        """Tokens run at each depth since the last reset, their mean executed depth and the continue rate after each
+        depth (read in-process with `LLM.apply_model(lambda m: m.depth_statistics())`)."""
+        counts = self.depth_counts.tolist()
+        stats = {"tokens_per_depth": counts,
+                 "mean_depth": sum(counts) / counts[0] if counts[0] else 0.0,
+                 "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:])]}
+        if reset:
+            self.depth_counts.zero_()
+        return stats
 
     # -- the pieces ------------------------------------------------------------------------------------------------------
     def _step_metadata(self):
@@ -418,3 +430,37 @@ class TaH2ForCausalLMvLLM(nn.Module):
         last = torch.arange(self.M, device=depth.device)[None] == (depth[:, None] - 1)
         return torch.where(last, 0.0, float("-inf"))
 
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Architectures the plugin recognises but does not serve: a one-line refusal instead of vLLM's generic error
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _NotServed(nn.Module):
+    message = ""
+
+    def __init__(self, *, vllm_config=None, prefix: str = ""):
+        raise ValueError(self.message)
+
+    def embed_input_ids(self, input_ids):  # the interface vLLM inspects before it builds a model
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+    def load_weights(self, weights):
+        raise NotImplementedError
+
+
+class SGTNotServed(_NotServed):
+    message = ("SGT is not served in vLLM by hf_loops (its looped heads need their own KV slots, not built yet); "
+               "use hf_loops' HF generate or transformers' server")
+
+
+class SpiralFormerNotServed(_NotServed):
+    message = ("SpiralFormer is not served in vLLM by hf_loops (its multi-resolution loop has no vLLM model yet); "
+               "use hf_loops' HF generate or transformers' server")

@@ -119,11 +119,16 @@ def test_greedy_tokens_equal_hf_generate(references, name):
     assert max(depths) == M and min(depths) >= 1  # the deeper passes matter for these prompts
     llm = make_llm(ref["model"])
     try:
+        llm.apply_model(lambda model: model.depth_statistics(reset=True))  # drop the warm-up runs
         outs = run_staggered(llm, PROMPTS, greedy())
+        (stats,) = llm.apply_model(lambda model: model.depth_statistics())
     finally:
         close(llm)
     tokens, logprobs = tokens_and_logprobs(outs)
     assert tokens == ref["tokens"]
+    # every token vLLM ran (cached prefix tokens excepted) executed the depth HF's forward gives it
+    ran = [row[o.num_cached_tokens or 0:] for row, o in zip(ref["sequence_depths"], outs)]
+    assert stats["tokens_per_depth"] == [sum(d > m for row in ran for d in row) for m in range(M)]
     assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4  # the same distribution, not only the same argmax
     assert outs[1].num_cached_tokens >= 32  # the shared prefix came from the prefix cache
 
@@ -236,3 +241,28 @@ def test_openai_server_chat_and_stream(references, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def test_plugin_registration_is_idempotent_and_refuses_sgt_spiralformer():
+    from vllm import ModelRegistry
+
+    from hf_loops.serving import vllm_plugin, vllm_tah2
+
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM calls it in every process; a second call changes nothing
+    assert {"TaH2ForCausalLM", "SGTForCausalLM", "SpiralFormerForCausalLM"} <= set(ModelRegistry.get_supported_archs())
+    for refused, name in ((vllm_tah2.SGTNotServed, "SGT"), (vllm_tah2.SpiralFormerNotServed, "SpiralFormer")):
+        with pytest.raises(ValueError, match=f"^{name} is not served in vLLM.*use hf_loops' HF generate"):
+            refused(vllm_config=None)
+
+
+def test_huginn_and_ouro_stage2_refused():
+    from hf_loops.modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
+    from hf_loops.serving.vllm_tah2 import check_servable
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=1,
+                 num_key_value_heads=1, head_dim=32)
+    for preset, what in (("huginn", "Huginn-style"), ("ouro-stage2", "Ouro Stage II")):
+        with pytest.raises(ValueError, match=what):
+            check_servable(TaH2Config(**small, **TAH2_PRESETS[preset]))
+    check_servable(TaH2Config(**small, **TAH2_PRESETS["tah2-fixed"]))  # served

@@ -58,7 +58,7 @@ def reference(spec: dict, out_dir: str) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(base, name), model_dir)
     model.generation_config.eos_token_id = None  # fixed-length outputs (vLLM side: ignore_eos)
-    outputs, logprobs, prompt_depths = [], [], []
+    outputs, logprobs, prompt_depths, sequence_depths = [], [], [], []
     with torch.no_grad():
         for ids in spec["prompts"]:
             x = torch.tensor([ids])
@@ -69,8 +69,12 @@ def reference(spec: dict, out_dir: str) -> None:
             # scores = the mixture's log-probabilities log q (no logits processor under greedy decoding)
             logprobs.append([float(step[0, t]) for step, t in zip(out.scores, tokens)])
             prompt_depths.append(model(x, use_cache=False).iter_counts[0].tolist())
+            # depths of every token vLLM feeds the model: the prompt and all generated tokens but the last
+            fed = torch.tensor([ids + tokens[:-1]])
+            sequence_depths.append(model(fed, use_cache=False).iter_counts[0].tolist())
     with open(os.path.join(out_dir, "expected.json"), "w") as f:
-        json.dump({"tokens": outputs, "logprobs": logprobs, "prompt_depths": prompt_depths}, f)
+        json.dump({"tokens": outputs, "logprobs": logprobs, "prompt_depths": prompt_depths,
+                   "sequence_depths": sequence_depths}, f)
 
 
 if __name__ == "__main__":
