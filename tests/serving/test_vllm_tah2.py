@@ -46,6 +46,9 @@ MODELS = {
     "causal_m3": {"max_iterations": 3, "iteration_attention": "causal"},
     "fixed_m3": {"max_iterations": 3, "iteration_attention": "causal", "decider": "always", "mixture": "even"},
     "same_iter_m2": {"max_iterations": 2, "iteration_attention": "same_iter"},
+    "duo_m4": {"max_iterations": 4},
+    "ouro_m3": {"max_iterations": 3, "iteration_attention": "same_iter", "updater": "hidden", "decider": "always",
+                "mixture": "even"},
 }
 
 
