@@ -52,6 +52,12 @@ MODELS = {
 }
 
 
+def reference_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM")}
+    env["PYTHONPATH"] = REPO
+    return env
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     if not os.path.exists(REFERENCE_PYTHON):
@@ -60,10 +66,8 @@ def references(tmp_path_factory):
     specs = {name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
              for i, (name, tah2) in enumerate(MODELS.items())}
     (root / "specs.json").write_text(json.dumps(specs))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM")}
-    env["PYTHONPATH"] = REPO
     subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), str(root / "specs.json"), str(root)],
-                   check=True, env=env, timeout=600, capture_output=True)
+                   check=True, env=reference_env(), timeout=600, capture_output=True)
     out = {}
     for name in MODELS:
         with open(root / name / "expected.json") as f:
@@ -151,6 +155,33 @@ def test_stop_string(references):
     got = out.outputs[0]
     assert got.finish_reason == "stop" and got.text == full[: full.find(stop)]
     assert list(got.token_ids) == ref["tokens"][0][: len(got.token_ids)]
+
+
+def test_sampling_n2_draws_from_the_mixture(references, tmp_path):
+    """Sampled decoding with n = 2: two continuations per prompt, and the log-probability vLLM reports for every
+    sampled token equals our HF forward's mixture log q of that token (teacher-forced on the sampled sequence)."""
+    ref = references["duo_m3"]
+    params = vllm.SamplingParams(temperature=1.0, n=2, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1, seed=1)
+    llm = make_llm(ref["model"])
+    try:
+        outs = run_staggered(llm, PROMPTS[:3], params)
+    finally:
+        close(llm)
+    sequences, reported = [], []
+    for prompt, out in zip(PROMPTS, outs):
+        assert len(out.outputs) == 2
+        for sample in out.outputs:
+            tokens = list(sample.token_ids)
+            assert len(tokens) == NEW_TOKENS
+            sequences.append({"prompt": prompt, "tokens": tokens})
+            reported.append([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
+    assert len({tuple(s["tokens"]) for s in sequences}) > len(outs)  # the samples differ
+    (tmp_path / "seqs.json").write_text(json.dumps(sequences))
+    subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), "--score", ref["model"],
+                    str(tmp_path / "seqs.json"), str(tmp_path / "scores.json")],
+                   check=True, env=reference_env(), timeout=600, capture_output=True)
+    expected = json.loads((tmp_path / "scores.json").read_text())
+    assert max_logprob_gap(reported, expected) < 1e-4
 
 
 def test_negative_control_hidden_deeper_keys(references, monkeypatch):

@@ -3,9 +3,14 @@ runs): builds a tiny random TaH2, saves it with the embedded base's tokenizer, a
 tokens (fp32) for the given prompts, plus every prompt's per-token executed depths.
 
     python tests/serving/vllm_reference.py SPECS.json OUT_DIR
+    python tests/serving/vllm_reference.py --score MODEL_DIR SEQUENCES.json OUT.json
+
+--score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]).
 
 SPECS: {name: {"seed": int, "tah2": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}}; each
-name gets OUT_DIR/name/model (the export) and OUT_DIR/name/expected.json (tokens, prompt_depths).
+name gets OUT_DIR/name/model (the export) and OUT_DIR/name/expected.json (tokens, prompt_depths). Optional keys
+(the vLLM bench): "qwen" (Qwen3 config overrides), "decider_std" (score weights' std, default 3), "save_base" (also
+save the Qwen3 the TaH2 was converted from, to OUT_DIR/name/base).
 """
 
 import json
@@ -32,15 +37,24 @@ def build(spec: dict, out_dir: str):
 
     seed = spec.get("seed", 0)
     torch.manual_seed(seed)
-    qwen = Qwen3ForCausalLM(Qwen3Config(**QWEN)).eval()
+    qwen = Qwen3ForCausalLM(Qwen3Config(**dict(QWEN, **spec.get("qwen", {})))).eval()
     with torch.no_grad():  # a sharper next-token distribution: greedy argmax far from ties
         qwen.lm_head.weight.mul_(4.0)
     model = convert_qwen3(qwen, "tah2", **spec.get("tah2", {})).eval()
     if model.decider is not None:  # g far from τ: float noise between two exact computations cannot flip a decision
         with torch.no_grad():
             torch.manual_seed(seed + 1)
-            model.decider.score.weight.normal_(0.0, 3.0)
+            model.decider.score.weight.normal_(0.0, spec.get("decider_std", 3.0))
+    if spec.get("save_base"):
+        qwen.save_pretrained(os.path.join(out_dir, "base"))
+        copy_tokenizer(os.path.join(out_dir, "base"))
     return model
+
+
+def copy_tokenizer(model_dir: str) -> None:
+    base = os.path.join(REPO, "hf_loops", "data", "base")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(base, name), model_dir)
 
 
 def main(spec_path: str, out_root: str) -> None:
@@ -54,9 +68,7 @@ def reference(spec: dict, out_dir: str) -> None:
     model = build(spec, out_dir)
     model_dir = os.path.join(out_dir, "model")
     model.save_pretrained(model_dir)
-    base = os.path.join(REPO, "hf_loops", "data", "base")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(base, name), model_dir)
+    copy_tokenizer(model_dir)
     model.generation_config.eos_token_id = None  # fixed-length outputs (vLLM side: ignore_eos)
     outputs, logprobs, prompt_depths, sequence_depths = [], [], [], []
     with torch.no_grad():
@@ -77,5 +89,26 @@ def reference(spec: dict, out_dir: str) -> None:
                    "sequence_depths": sequence_depths}, f)
 
 
+def score(model_dir: str, sequences_path: str, out_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import hf_loops  # noqa: F401  (registers TaH2 with the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with open(sequences_path) as f:
+        sequences = json.load(f)
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            prompt, tokens = seq["prompt"], seq["tokens"]
+            log_q = model(torch.tensor([prompt + tokens]), use_cache=False).logits[0]  # mixture log q, every position
+            out.append([float(log_q[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)])
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--score":
+        score(*sys.argv[2:5])
+    else:
+        main(sys.argv[1], sys.argv[2])
