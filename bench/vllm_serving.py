@@ -4,8 +4,8 @@ Run in the vLLM venv (`make test-vllm` creates it); the models are built by the 
 
     HF_LOOPS_REFERENCE_PYTHON=.venv/bin/python VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/vllm_serving.py
 
-Workload: batch 8 (8 requests submitted together), 64-token random prompts, 64 new tokens each (greedy, EOS
-ignored), float32, eager; one warm-up, then best of 3 `generate` calls per model, interleaved. tokens/s counts the
+Workload: batch 8 (8 requests submitted together), 64-token random prompts, 32 new tokens each (greedy, EOS
+ignored), float32, eager; one warm-up, then best of 2 `generate` calls per model, interleaved. tokens/s counts the
 generated tokens over the whole call (prefill included). Prints one markdown row with the realised mean depth.
 """
 
@@ -20,9 +20,9 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+QWEN = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=64)
-BATCH, PROMPT, NEW, REPEATS = 8, 64, 64, 3
+BATCH, PROMPT, NEW, REPEATS = 8, 64, 32, 2
 
 
 def build(root):
@@ -52,13 +52,16 @@ def main():
                                enable_prefix_caching=False, seed=0) for name, d in dirs.items()}
         best = {name: float("inf") for name in llms}
         for name, llm in llms.items():  # warm-up
+            t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
+            print(f"warm-up {name}: {time.perf_counter() - t:.1f} s", flush=True)
         llms["tah2"].apply_model(lambda m: m.depth_statistics(reset=True))
         for _ in range(REPEATS):
             for name, llm in llms.items():
                 t = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 best[name] = min(best[name], time.perf_counter() - t)
+                print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
         (stats,) = llms["tah2"].apply_model(lambda m: m.depth_statistics())
     tps = {name: BATCH * NEW / t for name, t in best.items()}
     row = {"row": "vllm-tah2-b8", "tah2_tokens_per_s": tps["tah2"], "qwen3_tokens_per_s": tps["qwen3"],
