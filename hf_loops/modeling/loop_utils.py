@@ -279,3 +279,16 @@ def check_known_keys(config_class, overrides: dict, what: str = "config field") 
             guess = closest_name(key, valid)
             hint = f"; did you mean {guess}?" if guess else ""
             raise ValueError(f"unknown {config_class.__name__} {what} {key!r}{hint}")
+
+
+def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' `slice_logits_to_keep` (added in 5.20), for older versions: an int keeps the last n positions
+    (0 keeps all), a 1-D tensor those positions, a 2-D integer tensor per-row positions, a 2-D bool tensor the True
+    positions (flattened)."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden_states[:, logits_to_keep, :]

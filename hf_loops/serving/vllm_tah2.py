@@ -1,0 +1,466 @@
+"""TaH2 (adaptive looped Qwen3) as a vLLM model, for vLLM's CPU backend, eager mode.
+
+How one engine step runs (vLLM hands over one flat list of N tokens that mixes prefill chunks and decode tokens):
+
+* Depth 1 runs every token through the backbone with vLLM's own `Attention` layers (slot (0, l): stream 0).
+* The decider picks the tokens that continue, across the whole flat batch; the updater builds their inputs; only
+  they run the shared weights again, at depth m, writing their K/V into slot (m−1, l) at their own position (the
+  same block table as stream 0: vLLM reserves M·L KV slots per token).
+* A per-slot marker (`executed depth` of the token that occupies a KV slot) says which deeper entries exist, so a
+  depth-m query sees exactly the set its `iteration_attention` mode allows (duo: every earlier token's states of
+  depth ≤ m that were executed; causal: earlier tokens' depth 1 and its own earlier depths; same_iter: depth m
+  only). Deeper passes gather those keys/values from the paged caches and run a masked sdpa (exact, not fast).
+* `forward` returns, per token, its hidden states of every depth and the log-weights of the stopping-weighted
+  mixture; `compute_logits` turns the sampled rows into the mixture's log-probabilities log q, which vLLM samples.
+
+Only the TaH2 configuration and its updater/decider modules are imported from hf_loops (they import under the
+transformers version vLLM pins); the backbone is written here on plain torch layers with Qwen3's weight names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from hf_loops.modeling.configuration_tah2 import TaH2Config
+from hf_loops.modeling.modeling_tah2 import TaH2Decider, TaH2Updater
+
+__all__ = ["TaH2Config", "TaH2ForCausalLMvLLM", "check_servable"]
+
+
+def check_servable(config) -> None:
+    """Refuse, in one line each, what this plugin does not serve."""
+    if getattr(config, "loop_span", None) is not None or getattr(config, "core_adapter", None) is not None:
+        raise ValueError("TaH2 in vLLM: the Huginn-style preset (loop_span / core_adapter) is not served; "
+                         "use hf_loops' HF generate for it")
+    if config.decider == "exit_gate" or getattr(config, "exit_kv_fill", None) is not None:
+        raise ValueError("TaH2 in vLLM: Ouro Stage II (decider='exit_gate', Q-exit) is not served; "
+                         "use hf_loops' HF generate for it")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("TaH2 in vLLM: use_sliding_window must be False")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading the CPU backend's paged KV cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class PagedLayout:
+    """Where the CPU backend's cache writer puts key/value element (token offset o, kv head h, dim d) inside one
+    block of a `(num_blocks, H, block_size, 2·D)` cache tensor. Learned once by writing probe values with the
+    backend's own writer (its layout depends on the instruction set: keys are stored transposed for `vec`), so the
+    deeper passes can both write (with that writer) and read (with these indices) any slot."""
+
+    def __init__(self, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, isa: str):
+        from vllm import _custom_ops as ops
+
+        if max(block_size, head_dim, num_kv_heads) > 256:
+            raise ValueError("TaH2 in vLLM: block_size, head_dim and num_kv_heads must be <= 256 (cache layout probe)")
+        self.ops, self.isa, self.block_size = ops, isa, block_size
+        H, bs, D = num_kv_heads, block_size, head_dim
+        coords = torch.stack(torch.meshgrid(torch.arange(bs), torch.arange(H), torch.arange(D), indexing="ij"))
+        slots = torch.arange(bs)
+        index = []
+        for which in (0, 1):  # 0: keys, 1: values
+            seen = []
+            for c in coords:  # encode the token offset, the head, the dim in turn (exact small integers)
+                cache = torch.zeros(1, H, bs, 2 * D, dtype=dtype)
+                probe = (c + 1).to(dtype)
+                zero = torch.zeros_like(probe)
+                self._write(cache, probe if which == 0 else zero, probe if which == 1 else zero, slots)
+                seen.append(cache.view(-1).float().round().long() - 1)
+            o, h, d = seen
+            hit = o >= 0
+            flat = torch.full((bs, H, D), -1, dtype=torch.long)
+            flat[o[hit], h[hit], d[hit]] = hit.nonzero().squeeze(1)
+            if int(hit.sum()) != bs * H * D or bool((flat < 0).any()):
+                raise ValueError(f"TaH2 in vLLM: unsupported KV cache layout for isa {isa!r} (probe not a bijection)")
+            index.append(flat)
+        self.key_index, self.value_index = index  # (bs, H, D) flat offsets inside one block
+
+    def _write(self, cache, key, value, slots):
+        nb, H, bs, _ = cache.shape
+        kc, vc = cache.view(nb, H, 2 * bs, -1).chunk(2, dim=2)
+        self.ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, self.isa)
+
+    def write(self, cache, key, value, slots) -> None:
+        """key, value: (n, H, D) into `slots` (n,)."""
+        self._write(cache, key.contiguous(), value.contiguous(), slots)
+
+    def read(self, cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n,) slots → keys, values (n, H, D)."""
+        flat = cache.view(cache.shape[0], -1)
+        block, offset = slots // self.block_size, slots % self.block_size
+        rows = flat.index_select(0, block)
+        k = torch.gather(rows, 1, self.key_index[offset].flatten(1)).view_as(self.key_index[offset])
+        v = torch.gather(rows, 1, self.value_index[offset].flatten(1)).view_as(self.value_index[offset])
+        return k, v
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One deeper pass: which keys every continuing token sees
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class DeepPlan:
+    """For the tokens that run stream j ≥ 1 in this step: per request, its queries and the key slots of positions
+    0..max query position in every visible stream, with the visibility mask (shared by all L layers)."""
+
+    def __init__(self, mode: str, stream: int, tokens: torch.Tensor, positions: torch.Tensor, meta, marker,
+                 block_size: int):
+        self.tokens = tokens
+        device = tokens.device
+        request = torch.searchsorted(meta.query_start_loc[1:].to(device), tokens, right=True)
+        groups = torch.unique_consecutive(request, return_counts=True)
+        req_ids, counts = groups[0].tolist(), groups[1].tolist()
+        G, n_max = len(req_ids), max(counts)
+        q_pos = positions[tokens]
+        P = int(q_pos.max()) + 1
+        self.streams = [stream] if mode == "same_iter" else list(range(stream + 1))
+        # queries laid out (G, n_max); padding points at the group's first token and is dropped afterwards
+        q_slot = torch.zeros(G, n_max, dtype=torch.long, device=device)
+        q_real = torch.zeros(G, n_max, dtype=torch.bool, device=device)
+        start = 0
+        for g, n in enumerate(counts):
+            q_slot[g, :n] = torch.arange(start, start + n, device=device)
+            q_slot[g, n:] = start
+            q_real[g, :n] = True
+            start += n
+        self.q_slot, self.q_real = q_slot, q_real
+        key_pos = torch.arange(P, device=device)
+        table = meta.block_table.index_select(0, torch.tensor(req_ids, device=device))
+        self.key_slots = (table.gather(1, (key_pos // block_size).expand(G, P)) * block_size
+                          + key_pos % block_size)  # (G, P)
+        depth = marker[self.key_slots].long()  # executed depth of the token in each key slot
+        qp = q_pos[q_slot][:, :, None]  # (G, n, 1)
+        kp = key_pos.view(1, 1, P)
+        earlier = (kp <= qp) & (kp < meta.seq_lens.index_select(0, torch.tensor(req_ids, device=device))
+                                .view(G, 1, 1).to(device))
+        self.own_position = (kp == qp)[:, None]  # (G, 1, n, P)
+        masks = []
+        for s in self.streams:
+            exists = depth[:, None, :] > s
+            if mode == "causal":
+                seen = (kp == qp) if s > 0 else torch.ones_like(earlier)
+            else:
+                seen = torch.ones_like(earlier)
+            masks.append(earlier & exists & seen)
+        self.mask = torch.cat(masks, dim=-1)[:, None]  # (G, 1, n, S·P)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The Qwen3 backbone on flat tokens
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self, d, d_ff):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, d_ff, bias=False)
+        self.up_proj = nn.Linear(d, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, cache_config, prefix: str):
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        self.H, self.Hkv = config.num_attention_heads, config.num_key_value_heads
+        self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
+        d, bias = config.hidden_size, config.attention_bias
+        self.scaling = self.D ** -0.5
+        self.q_proj = nn.Linear(d, self.H * self.D, bias=bias)
+        self.k_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
+        self.v_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
+        self.o_proj = nn.Linear(self.H * self.D, d, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
+        # one paged KV slot per (stream, layer); all share the block table of stream 0
+        self.attn = nn.ModuleList(
+            Attention(self.H, self.D, self.scaling, num_kv_heads=self.Hkv, cache_config=cache_config,
+                      prefix=f"{prefix}.attn" if j == 0 else f"{prefix}.attn_depth{j + 1}")
+            for j in range(config.max_iterations))
+
+    def _qkv(self, x, cos, sin):
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.H, self.D)).transpose(0, 1)[None]
+        k = self.k_norm(self.k_proj(x).view(n, self.Hkv, self.D)).transpose(0, 1)[None]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        v = self.v_proj(x).view(n, self.Hkv, self.D)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1), v  # (n, heads, D)
+
+    def forward(self, x, cos, sin, stream: int, plan: DeepPlan | None, runtime):
+        q, k, v = self._qkv(x, cos, sin)
+        n = x.shape[0]
+        if stream == 0:
+            out = self.attn[0](q.reshape(n, -1).contiguous(), k.reshape(n, -1).contiguous(),
+                               v.reshape(n, -1).contiguous())
+            return self.o_proj(out)
+        return self.o_proj(self._deep_attention(q, k, v, stream, plan, runtime))
+
+    def _deep_attention(self, q, k, v, stream, plan, runtime):
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        layout = runtime.layout
+        meta, _, cache, slot_mapping = get_attention_context(self.attn[stream].layer_name)
+        n = q.shape[0]
+        if meta is None or layout is None:  # profiling / warm-up run: no cache bound yet
+            return torch.zeros(n, self.H * self.D, dtype=q.dtype, device=q.device)
+        layout.write(cache, k, v, slot_mapping[plan.tokens])
+        keys, values = [], []
+        G, P = plan.key_slots.shape
+        for s in plan.streams:
+            layer_cache = cache if s == stream else get_attention_context(self.attn[s].layer_name)[2]
+            ks, vs = layout.read(layer_cache, plan.key_slots.reshape(-1))
+            keys.append(ks.view(G, P, self.Hkv, self.D))
+            values.append(vs.view(G, P, self.Hkv, self.D))
+        K = torch.cat(keys, 1).transpose(1, 2).to(q.dtype)  # (G, Hkv, S·P, D)
+        V = torch.cat(values, 1).transpose(1, 2).to(q.dtype)
+        Q = q[plan.q_slot].transpose(1, 2)  # (G, H, n_max, D)
+        out = F.scaled_dot_product_attention(Q, K, V, attn_mask=plan.mask, scale=self.scaling,
+                                             enable_gqa=self.H != self.Hkv)
+        out = out.transpose(1, 2)[plan.q_real]  # (n, H, D) in token order
+        return out.reshape(n, self.H * self.D)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx, cache_config, prefix):
+        super().__init__()
+        self.self_attn = _SelfAttention(config, layer_idx, cache_config, f"{prefix}.self_attn")
+        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, stream, plan, runtime):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, stream, plan, runtime)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config, cache_config, prefix):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_DecoderLayer(config, i, cache_config, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def run(self, x, positions, stream, plan, runtime):
+        cos, sin = self.rotary_emb(x[None], positions[None])
+        for layer in self.layers:
+            x = layer(x, cos, sin, stream, plan, runtime)
+        return self.norm(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model vLLM runs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _Runtime:
+    """What the deeper passes share within one step: the cache layout and the executed-depth marker per slot."""
+
+    layout: PagedLayout | None = None
+    marker: torch.Tensor | None = None
+    block_size: int = 0
+
+
+class TaH2ForCausalLMvLLM(nn.Module):
+    """vLLM model class for `TaH2ForCausalLM` checkpoints (eager mode, tensor parallel size 1)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("TaH2 in vLLM: only tensor_parallel_size=1 and pipeline_parallel_size=1 are supported")
+        if vllm_config.cache_config.cache_dtype != "auto":
+            raise ValueError(f"TaH2 in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
+        self.config = config
+        self.M = config.max_iterations
+        self.model = _Backbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.updater = TaH2Updater(config) if config.updater == "learned" and self.M > 1 else None
+        self.decider = TaH2Decider(config) if config.decider == "learned" and self.M > 1 else None
+        self.runtime = _Runtime()
+        self.runtime.block_size = vllm_config.cache_config.block_size
+        self.dtype = vllm_config.model_config.dtype
+        # tokens run at each depth since the last reset (real steps only): mean depth and continue rates
+        self.depth_counts = torch.zeros(self.M, dtype=torch.long)
+
+    # -- vLLM's interface ----------------------------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        meta = self._step_metadata()
+        h = self.model.run(e, positions, 0, None, self.runtime)
+        N, d, M = e.shape[0], e.shape[1], self.M
+        hidden = torch.zeros(N, M, d, dtype=torch.float32, device=e.device)
+        log_w = torch.full((N, M), float("-inf"), dtype=torch.float32, device=e.device)
+        depth = torch.ones(N, dtype=torch.long, device=e.device)
+        real = N
+        if meta is not None:
+            real = meta.num_actual_tokens  # the rest is padding: it never runs deeper
+            self.runtime.marker[meta.slot_mapping[:real]] = 1
+            self.depth_counts[0] += real
+        tokens = torch.arange(N, device=e.device)
+        remaining = torch.ones(N, dtype=torch.float32, device=e.device)  # R = Π g of earlier depths
+        for m in range(1, M + 1):
+            hidden[tokens, m - 1] = h.float()
+            if m == M:
+                cont = torch.zeros(tokens.shape[0], dtype=torch.bool, device=e.device)
+                g = torch.zeros(tokens.shape[0], device=e.device)
+            else:
+                z = self.lm_head(h) if self._needs_logits() else None
+                g = torch.sigmoid(self._continue_logit(e[tokens], h, z))
+                cont = torch.bernoulli(g).bool() if self.config.decision_mode == "sample" else g > self.config.exit_threshold
+            r = remaining[tokens]
+            log_w[tokens, m - 1] = torch.log(torch.where(cont, r * (1.0 - g), r).clamp(min=1e-10))
+            remaining[tokens] = torch.where(cont, r * g, r)
+            keep = (cont & (tokens < real)).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            x = self._next_input(e[tokens[keep]], h[keep], None if z is None else z[keep])
+            tokens = tokens[keep]
+            depth[tokens] = m + 1
+            plan = None
+            if meta is not None:
+                self.runtime.marker[meta.slot_mapping[tokens]] = m + 1
+                self.depth_counts[m] += tokens.numel()
+                plan = DeepPlan(self.config.iteration_attention, m, tokens, positions, meta, self.runtime.marker,
+                                self.runtime.block_size)
+            h = self.model.run(x, positions[tokens], m, plan, self.runtime)
+        log_w = self._mixture_weights(log_w, depth)
+        return torch.cat([hidden.flatten(1), log_w], dim=1)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Mixture log-probabilities log q = logsumexp_m (log ω(m) + log_softmax(z(m))) of the sampled rows."""
+        n, M, d = hidden_states.shape[0], self.M, self.config.hidden_size
+        h = hidden_states[:, : M * d].reshape(n, M, d).to(self.lm_head.weight.dtype)
+        log_w = hidden_states[:, M * d:].float()
+        logp = torch.log_softmax(self.lm_head(h).float(), dim=-1)
+        return torch.logsumexp(log_w[..., None] + logp, dim=1)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                if name.startswith(("updater.", "decider.")) and self.M == 1:
+                    continue
+                raise ValueError(f"TaH2 in vLLM: unexpected weight {name!r} in the checkpoint")
+            with torch.no_grad():
+                params[name].copy_(tensor.to(params[name].dtype))
+            loaded.add(name)
+        # the attention layers' own scale parameters are not checkpoint weights: vLLM initialises them
+        loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
+        return loaded
+
+    def depth_statistics(self, reset: bool = False) -> dict:
+        """Tokens run at each depth since the last reset, their mean executed depth and the continue rate after each
+        depth (read in-process with `LLM.apply_model(lambda m: m.depth_statistics())`)."""
+        counts = self.depth_counts.tolist()
+        stats = {"tokens_per_depth": counts,
+                 "mean_depth": sum(counts) / counts[0] if counts[0] else 0.0,
+                 "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:])]}
+        if reset:
+            self.depth_counts.zero_()
+        return stats
+
+    # -- the pieces ------------------------------------------------------------------------------------------------------
+    def _step_metadata(self):
+        """This step's attention metadata (None in profiling runs); binds the cache layout and marker on first use."""
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        attn0 = self.model.layers[0].self_attn.attn[0]
+        meta, layer, cache, _ = get_attention_context(attn0.layer_name)
+        if meta is None or cache.numel() == 0:
+            return None
+        rt = self.runtime
+        if rt.marker is None or rt.marker.numel() != cache.shape[0] * cache.shape[2]:
+            rt.block_size = cache.shape[2]
+            rt.layout = PagedLayout(cache.shape[1], cache.shape[2], cache.shape[3] // 2, cache.dtype, layer.isa)
+            rt.marker = torch.zeros(cache.shape[0] * cache.shape[2], dtype=torch.int8, device=cache.device)
+        return meta
+
+    def _needs_logits(self) -> bool:
+        return self.config.decider == "learned" or self.config.updater == "topk_embedding"
+
+    def _continue_logit(self, e, h, z):
+        kind = self.config.decider
+        if kind == "learned":
+            return self.decider(e, h, z)
+        return torch.full((e.shape[0],), float("inf") if kind == "always" else float("-inf"), device=e.device)
+
+    def _next_input(self, e, h, z):
+        kind = self.config.updater
+        if kind == "learned":
+            return self.updater(e, h)
+        if kind == "identity":
+            return e
+        if kind == "hidden":
+            return h
+        k = min(self.config.updater_topk, z.shape[-1])
+        top = z.float().topk(k, dim=-1)
+        weights = torch.softmax(top.values, dim=-1).to(e.dtype)
+        return torch.einsum("nk,nkd->nd", weights, self.model.embed_tokens.weight[top.indices])
+
+    def _mixture_weights(self, log_w, depth):
+        """log ω per executed depth (−inf where not executed) for the configured mixture."""
+        kind = self.config.mixture
+        executed = torch.arange(self.M, device=depth.device)[None] < depth[:, None]
+        if kind == "stop_prob":
+            return log_w.masked_fill(~executed, float("-inf"))
+        if kind == "even":
+            return torch.where(executed, -torch.log(depth.float())[:, None], float("-inf"))
+        last = torch.arange(self.M, device=depth.device)[None] == (depth[:, None] - 1)
+        return torch.where(last, 0.0, float("-inf"))
+
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Architectures the plugin recognises but does not serve: a one-line refusal instead of vLLM's generic error
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _NotServed(nn.Module):
+    message = ""
+
+    def __init__(self, *, vllm_config=None, prefix: str = ""):
+        raise ValueError(self.message)
+
+    def embed_input_ids(self, input_ids):  # the interface vLLM inspects before it builds a model
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+    def load_weights(self, weights):
+        raise NotImplementedError
+
+
+class SGTNotServed(_NotServed):
+    message = ("SGT is not served in vLLM by hf_loops (its looped heads need their own KV slots, not built yet); "
+               "use hf_loops' HF generate or transformers' server")
+
+
+class SpiralFormerNotServed(_NotServed):
+    message = ("SpiralFormer is not served in vLLM by hf_loops (its multi-resolution loop has no vLLM model yet); "
+               "use hf_loops' HF generate or transformers' server")
