@@ -35,6 +35,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .cache_tah2 import CallStreams, StreamView, TaH2Cache
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
+from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
@@ -777,7 +778,7 @@ class TaH2Model(TaH2PreTrainedModel):
         )
 
 
-class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
+class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: continuous-depth decoding
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: TaH2Config):
