@@ -7,8 +7,8 @@ prefill (`_prefill` returns, device synchronised) to the end of `generate`. TaH2
 continuous-depth loop and with `continuous_depth=False` (lockstep), interleaved with Standard in one run.
 
 Efficiency = (tokens/s ÷ Standard) × (decode FLOPs ÷ Standard), FLOPs from `hf_loops.analysis.flops_tah2` for the
-depths each run realised (the FLOPs bound: 1.0 means the time is what the spec's FLOPs count predicts). Batch 32 uses
-a shorter prompt (the prefill is not timed but takes minutes on a CPU at 100m).
+depths each run realised (the FLOPs bound: 1.0 means the time is what the spec's FLOPs count predicts). Prompts are
+32 tokens (every call prefills, untimed, and a long prefill at batch 32 takes minutes on a CPU).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .tah2_decode import M, build_models, calibrate_tau
 ISSUE_SIZE = Size("768x6", hidden=768, layers=6, heads=12, kv_heads=4, head_dim=64, ffn=2048, vocab=16384)
 SIZES.setdefault(ISSUE_SIZE.name, ISSUE_SIZE)
 GOALS = {("100m", 8): 0.95, ("768x6", 8): 0.90}
-B32_PROMPT = 32
+PROMPT = 32  # every generate call prefills (untimed); a 128-token prefill at batch 32 takes minutes on a CPU
 
 
 @torch.no_grad()
@@ -92,12 +92,12 @@ def measure(models: dict, ids: torch.Tensor, ctx: Ctx, new: int, runs: dict, rep
 
 
 def _rows_for_batch(size: Size, ctx: Ctx, models: dict, batch: int) -> list[Row]:
-    prompt = ctx.workload.prompt if batch < 32 else min(B32_PROMPT, ctx.workload.prompt)
+    prompt = min(PROMPT, ctx.workload.prompt)
     new = ctx.workload.new
     ids = random_ids(size.vocab, batch, prompt, ctx.device, seed=batch)
     runs = {"standard": ("standard", {}), "continuous": ("tah2", {}), "lockstep": ("tah2", {"continuous_depth": False})}
     tau = None
-    if batch == 1:
+    if batch == 1 and ctx.wants("tah2-gen-depth1.2-b1"):
         tau = calibrate_tau(models["tah2"], ids, new)
         runs["continuous-tau"] = ("tah2", {"exit_threshold": tau})
         runs["lockstep-tau"] = ("tah2", {"exit_threshold": tau, "continuous_depth": False})
