@@ -144,8 +144,8 @@ class _StepKV:
         self.column = self.length
         self.length += 1
         self.steps += 1
-        if self.length > self.pos.shape[1]:
-            cap = 2 * self.pos.shape[1]
+        if self.length > self.pos.shape[1]:  # grow by half (amortised copies, at most 1.5× the entries held)
+            cap = self.pos.shape[1] + max(256, self.pos.shape[1] // 2)
             self.keys = [self._grow(k, cap) for k in self.keys]
             self.values = [self._grow(v, cap) for v in self.values]
             self.pos, self.iter, self.valid = (self._grow(self.pos, cap), self._grow(self.iter, cap),
@@ -278,7 +278,7 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
         streamer.put(tokens.cpu())
     meta0 = cache.stream_metadata(0)
     q_pos = meta0["pos"][:, -1] + 1
-    kv = _StepKV(cache, cfg.num_hidden_layers, B, reserve=min(max_new * M, 4 * max_new + 64))
+    kv = _StepKV(cache, cfg.num_hidden_layers, B, reserve=min(max_new * M, 256))
     del outputs
     cache.reset()  # the prefill's states now live in `kv`
 

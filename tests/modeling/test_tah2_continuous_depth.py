@@ -276,3 +276,36 @@ def test_lockstep_paths_and_the_switch():
         model.continuous_depth_decoding = True
         with pytest.raises(ValueError, match="continuous_depth"):
             model.generate(ids, do_sample=False, continuous_depth="yes", **kw)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(updater="topk_embedding", updater_topk=5),
+    dict(updater="hidden", mixture="final"),
+    dict(updater="identity", iteration_attention="same_iter"),
+])
+def test_updater_and_mixture_variants(variant):
+    mode = variant.pop("iteration_attention", "duo")
+    model = _model(3, 3, mode, "by-hidden", **variant)
+    ids, mask = _left_padded([5, 2, 4], seed=16)
+    _assert_same_as_lockstep(model, ids, mask, None, max_new_tokens=7, do_sample=False, pad_token_id=0)
+
+
+def test_per_call_loop_knobs_and_inputs_embeds():
+    model = _model(4, 4, "duo", "learned")
+    ids, mask = _left_padded([6, 4], seed=17)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    _assert_same_as_lockstep(model, ids, mask, None, max_iterations=3, exit_threshold=0.3, **kw)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        a = model.generate(inputs_embeds=embeds, attention_mask=mask, **kw)
+        assert model._last_decode_mode == "continuous_depth"
+        b = model.generate(inputs_embeds=embeds, attention_mask=mask, continuous_depth=False, **kw)
+    assert torch.equal(a, b) and a.shape == (2, 8)
+
+
+def test_kv_buffer_grows_past_its_first_reserve():
+    model = _model(5, 2, "duo", "all-continue")
+    ids, mask = _left_padded([3], seed=18)
+    kw = dict(max_new_tokens=140, do_sample=False, pad_token_id=0)
+    seq, depths = _assert_same_as_lockstep(model, ids, mask, None, **kw)
+    assert model._last_decode_steps == 2 * 139 > 256
