@@ -295,7 +295,9 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
     while any(computing):
         running = torch.tensor(computing, dtype=torch.bool, device=device)
         h, z = _one_pass(model, kv, x, q_pos, q_stream, running)
-        cont, remaining, log_mix = _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau)
+        can_continue = [r for r in range(B) if computing[r] and rows.depth[r] < M - 1]
+        cont, remaining, log_mix = _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau,
+                                                   can_continue)
         flags = torch.stack([cont, done]).tolist()  # the step's one host read
         rows.mark_done(flags[1])
         # A row whose stop (EOS) we learn only now ran a query this step: with padding after a stop, drop it.
@@ -365,12 +367,21 @@ def _one_pass(model, kv: _StepKV, x, q_pos, q_stream, running):
     return h, model.lm_head(h)
 
 
-def _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau):
+def _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau, can_continue: list[int]):
     """Decider (continue iff g > τ, or sampled) and the stopping-weighted mixture update of every computing row, the
-    same arithmetic as the lockstep loop's. Returns (continue flags, R, log mixture)."""
+    same arithmetic as the lockstep loop's. The decider runs only on `can_continue` (computing rows below depth M,
+    a host list): a query at depth M stops anyway. Returns (continue flags, R, log mixture)."""
     cfg = model.config
     last = q_stream >= M - 1
-    logit = model._continue_logit(e, h, z)
+    B = e.shape[0]
+    if len(can_continue) == B:
+        logit = model._continue_logit(e, h, z)
+    else:
+        logit = torch.full((B,), float("-inf"), dtype=torch.float32, device=e.device)
+        if can_continue:
+            idx = torch.tensor(can_continue, dtype=torch.long, device=e.device)
+            part = model._continue_logit(e.index_select(0, idx), h.index_select(0, idx), z.index_select(0, idx))
+            logit = logit.index_copy(0, idx, part.float())
     g = torch.sigmoid(logit)
     if cfg.decision_mode == "sample":
         cont = torch.bernoulli(g).bool()
