@@ -56,7 +56,7 @@ _ATTENTION_BACKENDS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3"
 
 
 def continuous_depth_unsupported(model, generation_config, model_kwargs, logits_processor, streamer,
-                                 synced_gpus, batch_size) -> str | None:
+                                 synced_gpus, batch_size, input_len: int = 0) -> str | None:
     """Why this `generate` call must decode in lockstep, or None when continuous-depth decoding applies."""
     cfg = model.config
     switch = getattr(model, "_tah2_continuous_depth", None)
@@ -69,6 +69,8 @@ def continuous_depth_unsupported(model, generation_config, model_kwargs, logits_
         return "Huginn-style core loop / Ouro exit gate (dense streams, every depth runs)"
     if synced_gpus:
         return "synced_gpus"
+    if generation_config.max_length is None or generation_config.max_length - input_len < 1:
+        return "max_length leaves no new token"
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate (scores, attentions, hidden states and the cache come from the lockstep path)"
     if not model_kwargs.get("use_cache", True):
@@ -428,7 +430,9 @@ class TaH2GenerationMixin(GenerationMixin):
     tokens. Logits processors and stopping criteria are called once per group of finishing rows of equal length, on the
     whole batch (every row in its place, ids cut at that length), and only the group's rows of the result are used:
     right for any processor that treats rows independently, as HF's own do (custom ones must too, or use
-    `continuous_depth=False`). With `do_sample=True` (or `decision_mode="sample"`) at batch > 1 the random draws differ
+    `continuous_depth=False`). After a continuous-depth call, `model._last_decode_depths` holds per row the executed
+    depth of every decoded input token (the lockstep path reports them through the returned cache). With
+    `do_sample=True` (or `decision_mode="sample"`) at batch > 1 the random draws differ
     from lockstep's, whose rows draw together; the distributions are the same, and at batch 1 so are the draws.
     """
 
@@ -448,7 +452,7 @@ class TaH2GenerationMixin(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         reason = continuous_depth_unsupported(self, generation_config, model_kwargs, logits_processor, streamer,
-                                              synced_gpus, input_ids.shape[0])
+                                              synced_gpus, input_ids.shape[0], input_ids.shape[1])
         self._last_decode_mode = "lockstep" if reason else "continuous_depth"
         self._last_decode_depths = None
         if reason is not None:
