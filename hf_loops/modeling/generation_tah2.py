@@ -187,6 +187,8 @@ class _Stopping:
         self.score_only = all(isinstance(p, _SCORE_ONLY_PROCESSORS) for p in logits_processor)
         self.eos = [c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
         self.simple_criteria = all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)
+        # only the length can stop a row: the host counts it, the device flags never change
+        self.length_only = all(isinstance(c, MaxLengthCriteria) for c in stopping_criteria)
 
     def groups(self, rows: list[int], counts: list[int]) -> list[tuple[list[int], int]]:
         """(rows, number of generated tokens) groups; count −1: one group of every finishing row (fast path)."""
@@ -294,8 +296,10 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
     rows.mark_done([False] * B)
     computing = rows.computing()
 
+    running, running_of = None, None
     while any(computing):
-        running = torch.tensor(computing, dtype=torch.bool, device=device)
+        if computing != running_of:  # host → device only when the set of computing rows changes
+            running, running_of = torch.tensor(computing, dtype=torch.bool, device=device), list(computing)
         h, z = _one_pass(model, kv, x, q_pos, q_stream, running)
         can_continue = [r for r in range(B) if computing[r] and rows.depth[r] < M - 1]
         cont, remaining, log_mix = _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau,
@@ -322,8 +326,9 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
                 tok = _pick(scores, generation_config.do_sample)
                 columns = torch.tensor([P + rows.count[r] for r in group], dtype=torch.long, device=device)
                 ids[rows_t, columns] = tok
-                done = done.index_put((rows_t,), done.index_select(0, rows_t) | stopping.done(ids, rows_t, count, tok,
-                                                                                               scores))
+                if not stopping.length_only:
+                    stop = stopping.done(ids, rows_t, count, tok, scores)
+                    done = done.index_put((rows_t,), done.index_select(0, rows_t) | stop)
                 new_rows.append(rows_t)
                 new_tokens.append(tok)
             if streamer is not None:
