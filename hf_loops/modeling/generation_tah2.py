@@ -319,25 +319,9 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
             if cfg.mixture == "even":
                 depth_now = torch.tensor([d + 1 for d in rows.depth], dtype=torch.float32, device=device)
                 log_q = log_mix - torch.log(depth_now)[:, None]
-            new_rows, new_tokens = [], []
-            for group, count in stopping.groups(finish_rows, rows.count):
-                rows_t = torch.tensor(group, dtype=torch.long, device=device)
-                scores = stopping.scores(ids, rows_t, count, log_q)
-                tok = _pick(scores, generation_config.do_sample)
-                columns = torch.tensor([P + rows.count[r] for r in group], dtype=torch.long, device=device)
-                ids[rows_t, columns] = tok
-                if not stopping.length_only:
-                    stop = stopping.done(ids, rows_t, count, tok, scores)
-                    done = done.index_put((rows_t,), done.index_select(0, rows_t) | stop)
-                new_rows.append(rows_t)
-                new_tokens.append(tok)
+            done, rows_t, tok = _emit_tokens(stopping, ids, log_q, finish_rows, rows, generation_config.do_sample, done)
             if streamer is not None:
-                streamer.put(new_tokens[0].cpu())
-            for r in finish_rows:
-                rows.depths[r].append(rows.depth[r] + 1)
-                rows.count[r] += 1
-                rows.depth[r] = 0
-            rows_t, tok = torch.cat(new_rows), torch.cat(new_tokens)
+                streamer.put(tok.cpu())
             e_new = embed(tok)
             e, x = e.index_copy(0, rows_t, e_new), x.index_copy(0, rows_t, e_new)
             q_pos = q_pos.index_add(0, rows_t, torch.ones_like(rows_t))
@@ -353,6 +337,31 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
     model._last_decode_depths = [d[: max(n_out - 1, 0)] for d in rows.depths]
     model._last_decode_steps = kv.steps
     return ids[:, : P + n_out]
+
+
+def _emit_tokens(stopping: _Stopping, ids, log_q, finish_rows: list[int], rows: _RowState, do_sample: bool, done):
+    """The next token of every row in `finish_rows` (processors, then argmax or a draw), written to `ids`; their stop
+    flags (device) and the host bookkeeping. Returns (stop flags, rows as a tensor, their tokens)."""
+    device = ids.device
+    P = stopping.prompt_len
+    new_rows, new_tokens = [], []
+    for group, count in stopping.groups(finish_rows, rows.count):
+        rows_t = torch.tensor(group, dtype=torch.long, device=device)
+        scores = stopping.scores(ids, rows_t, count, log_q)
+        tok = _pick(scores, do_sample)
+        ids[rows_t, torch.tensor([P + rows.count[r] for r in group], dtype=torch.long, device=device)] = tok
+        if not stopping.length_only:
+            stop = stopping.done(ids, rows_t, count, tok, scores)
+            done = done.index_put((rows_t,), done.index_select(0, rows_t) | stop)
+        new_rows.append(rows_t)
+        new_tokens.append(tok)
+    for r in finish_rows:
+        rows.depths[r].append(rows.depth[r] + 1)
+        rows.count[r] += 1
+        rows.depth[r] = 0
+    if len(new_rows) == 1:
+        return done, new_rows[0], new_tokens[0]
+    return done, torch.cat(new_rows), torch.cat(new_tokens)
 
 
 def _pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
