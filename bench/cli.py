@@ -10,12 +10,13 @@ import time
 
 import torch
 
-from . import compiled, spiral, tah2_decode, train_steps
+from . import compiled, spiral, tah2_decode, tah2_generate, train_steps
 from .common import SIZES, WORKLOADS, Ctx
 from .report import eprint, markdown, settings, write
 
 GROUPS = {
     "tah2-decode": tah2_decode.rows,  # efficiency b1/b8, TaH2-fixed, depth ≈ 1.2, KV bytes at batch 8
+    "tah2-generate": tah2_generate.rows,  # generate: continuous depth vs lockstep, b1/b8/b32, vs the FLOPs bound
     "train-steps": train_steps.rows,  # TaH2 SFT step, SGT and Block Loop train steps
     "spiral": spiral.rows,  # SpiralFormer-B prefill, core passes per decode token
     "compile": compiled.rows,  # torch.compile vs eager decode (subprocess with a time limit)
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> list:
             if got:
                 eprint(f"[bench] {group} / {name}: {len(got)} rows in {time.perf_counter() - t:.0f} s")
     order = list(dict.fromkeys(r.id for r in rows))
-    rows.sort(key=lambda r: (order.index(r.id), sizes.index(r.size)))  # a row's sizes side by side
+    rank = {s: i for i, s in enumerate(sizes)}  # a group may add a size of its own (tah2-generate: 768x6) after them
+    rows.sort(key=lambda r: (order.index(r.id), rank.get(r.size, len(sizes))))  # a row's sizes side by side
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     stem = args.stem or (args.device if args.group == "all" and not args.quick and not ctx.rows
                          else f"{args.device}-{args.group}" + ("-quick" if args.quick else ""))

@@ -7,7 +7,7 @@ import os
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ["tah2-eff-b1", "tah2-kv-b8", "tah2-sft", "sgt-train", "block-train", "spiral-prefill", "spiral-core-passes"]
+ROWS = ["tah2-eff-b1", "tah2-kv-b8", "tah2-gen-eff-b1", "tah2-sft", "sgt-train", "block-train", "spiral-prefill", "spiral-core-passes"]
 
 
 def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):

@@ -25,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, ModelOutput
 from transformers.modeling_utils import PreTrainedModel
@@ -35,6 +34,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .cache_tah2 import CallStreams, StreamView, TaH2Cache
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
+from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
@@ -806,7 +806,7 @@ class TaH2Model(TaH2PreTrainedModel):
         )
 
 
-class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
+class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: continuous-depth decoding
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
