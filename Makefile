@@ -65,7 +65,7 @@ test-vllm: $(VLLM_STAMP) $(VLLM_REF_DEP)
 		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/serving/test_vllm_tah2.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check hf_loops tests
+	$(BIN)/ruff check hf_loops tests bench examples
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -47,7 +47,7 @@ def main():
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 8000) for _ in range(PROMPT)]) for _ in range(BATCH)]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     with tempfile.TemporaryDirectory() as root:
-        dirs = dict(zip(("qwen3", "tah2"), build(root)))
+        dirs = dict(zip(("qwen3", "tah2"), build(root), strict=False))
         llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=BATCH,
                                enable_prefix_caching=False, seed=0) for name, d in dirs.items()}
         best = {name: float("inf") for name in llms}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
-from hf_loops.training.pretrain_base import cli  # noqa: E402
+from hf_loops.training.pretrain_base import cli
 
 if __name__ == "__main__":
     sys.exit(cli(sys.argv[1:]))

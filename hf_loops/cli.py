@@ -83,7 +83,7 @@ def _convert_into(args, out: str) -> int:
     if args.push_to_hub:
         try:
             push_folder(out, args.push_to_hub, private=args.private)
-        except Exception as err:  # noqa: BLE001 - network/auth/offline errors of huggingface_hub have many types
+        except Exception as err:
             raise ValueError(f"wrote {out}, but could not push it to the Hub repo {args.push_to_hub!r} "
                              f"(offline or unreachable? {type(err).__name__})") from err
         print(f"pushed {out} to {args.push_to_hub}{' (private)' if args.private else ''} in one commit")
@@ -126,7 +126,7 @@ def cmd_generate(args) -> int:
                          f"model's max_position_embeddings ({limit})")
     trace = generate_with_depths(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id, **kw)
     if args.show_depth and trace.depths is not None:
-        for t, d in zip(trace.tokens, trace.depths):
+        for t, d in zip(trace.tokens, trace.depths, strict=False):
             print(f"{d}  {tok.decode([t])!r}")
     elif args.show_depth:
         print(f"note: a {model.config.model_type!r} model does not report per-token depth", file=sys.stderr)

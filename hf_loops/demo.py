@@ -390,7 +390,7 @@ def random_walkthrough(prompt: str, max_new_tokens: int = 16, max_iterations: in
     print(f"tiny random Qwen3 → TaH2 (M={max_iterations}, τ={exit_threshold}); prompt: {prompt!r}")
     print(f"prompt depths: {trace.prompt_depths}")
     print(f"{'step':>4}  {'token':>6}  depth  text")
-    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths)):
+    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths, strict=False)):
         print(f"{i:>4}  {t:>6}  {d:>5}  {decode([t])!r}")
     mean = sum(trace.depths) / max(len(trace.depths), 1)
     print(f"mean depth over {len(trace.depths)} generated tokens: {mean:.2f}")

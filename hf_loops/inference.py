@@ -23,7 +23,7 @@ def check_loop_knobs(model, loop_kwargs: dict) -> None:
 
     accepted = inspect.signature(model.forward).parameters
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    for name, value in loop_kwargs.items():
+    for name, _value in loop_kwargs.items():
         if name not in accepted:
             raise ValueError(f"{name} is a knob of adaptive-depth models (TaH2); a {model_type!r} model has no {name}")
     m = loop_kwargs.get("max_iterations")

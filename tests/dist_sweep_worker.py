@@ -71,7 +71,7 @@ def main(out_path, n_cases):
         ref = reference_labels(*union, M, args.coverage, args.cost_min, args.cost_max, args.beta_clamp)
         offset = 0 if rank == 0 else len(gathered[0][3])
         n_local = len(flat[3])
-        for m, (c_ref, w_ref, cut_ref, beta_ref) in enumerate(ref):
+        for m, (c_ref, _w_ref, cut_ref, beta_ref) in enumerate(ref):
             c = out.depth_labels.continue_labels[m].reshape(-1).tolist()
             assert c == c_ref[offset:offset + n_local], (i, m)
             assert abs(out.depth_labels.delta_cut[m] - cut_ref) < 1e-6, (i, m)

@@ -199,7 +199,7 @@ def check_labels_against_reference(labels_d, reference, B, T):
         c = labels_d.continue_labels[m].reshape(-1).tolist()
         w = labels_d.weights[m].reshape(-1).tolist()
         assert c == c_ref, f"continue labels differ at boundary {m + 1}"
-        assert all(abs(x - y) <= 1e-6 + 1e-5 * abs(y) for x, y in zip(w, w_ref)), f"weights differ at {m + 1}"
+        assert all(abs(x - y) <= 1e-6 + 1e-5 * abs(y) for x, y in zip(w, w_ref, strict=False)), f"weights differ at {m + 1}"
         assert abs(labels_d.delta_cut[m] - cut_ref) <= 1e-6, (labels_d.delta_cut[m], cut_ref)
         assert abs(labels_d.beta[m] - beta_ref) <= 1e-9, (labels_d.beta[m], beta_ref)
 

@@ -119,7 +119,7 @@ class _CompactTokenizer:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    if hasattr(tokenizer, "__call__") and not isinstance(tokenizer, (ByteTokenizer, _CompactTokenizer)):
+    if callable(tokenizer) and not isinstance(tokenizer, (ByteTokenizer, _CompactTokenizer)):
         return list(tokenizer(text)["input_ids"])
     return list(tokenizer.encode(text))
 
@@ -580,7 +580,7 @@ def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
         summary[stat] = {"all_heads": all_heads, "dynamic_heads": dyn["curve"].tolist(),
                          "dynamic_mask": dyn["mask"].int().tolist()}
     resolutions = [next(step_meta[k]["resolution"] for k in loop_keys if step_meta[k]["recurrence"] == t) for t in ts]
-    xlabels = [f"t{t}\nr={r:g}" for t, r in zip(ts, resolutions)]
+    xlabels = [f"t{t}\nr={r:g}" for t, r in zip(ts, resolutions, strict=False)]
     multires = len(set(resolutions)) > 1
     stem = "coarse_to_fine" if multires else "loop_attention_scope"
     save(plots.plot_loop_curves(panels, "coarse-to-fine: attention scope per loop" if multires else

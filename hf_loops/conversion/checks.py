@@ -37,7 +37,7 @@ def check_safetensors_files(folder: str) -> None:
         try:
             with safe_open(path, framework="pt") as f:
                 f.keys()
-        except Exception as err:  # noqa: BLE001 - SafetensorError, OSError
+        except Exception as err:
             detail = " ".join(str(err).split())[:200]
             raise ValueError(f"{path!r} is not a valid .safetensors file (truncated or corrupt: {detail}); "
                              "download or save it again") from None
@@ -62,7 +62,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
                              f"tokenizer_config.json){hint}")
         try:
             return AutoTokenizer.from_pretrained(name)
-        except Exception as err:  # noqa: BLE001 - tokenizers/json/OSError
+        except Exception as err:
             detail = " ".join(str(err).split())[:200]
             raise ValueError(f"{flag} {name!r}: the tokenizer files cannot be loaded ({type(err).__name__}: "
                              f"{detail})") from None
@@ -71,6 +71,6 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
         raise ValueError(f"{flag} {name!r} is {what}; expected a tokenizer directory or a Hub repository id")
     try:
         return AutoTokenizer.from_pretrained(name)
-    except Exception as err:  # noqa: BLE001 - offline, connection and missing-repo errors
+    except Exception as err:
         raise ValueError(f"{flag} {name!r} is not a local directory and could not be fetched from the Hugging Face "
                          f"Hub (offline or unreachable, or no such repository: {type(err).__name__})") from None

@@ -28,13 +28,13 @@ def resolve_source_dir(source: str | os.PathLike, revision: str | None = None) -
     looks_local = source.startswith((".", "/", "~")) or os.sep in source.strip("/").replace("/", "", 1)
     try:
         huggingface_hub.utils.validate_repo_id(source)
-    except Exception:  # noqa: BLE001 - HFValidationError
+    except Exception:
         looks_local = True
     if looks_local:
         raise ValueError(f"source {source!r} is not a local directory (and not a valid Hub repository id)")
     try:
         return huggingface_hub.snapshot_download(repo_id=source, revision=revision, allow_patterns=SOURCE_PATTERNS)
-    except Exception as err:  # noqa: BLE001 - offline mode, connection errors, missing repos all land here
+    except Exception as err:
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
         raise ValueError(
             f"could not download {source!r} from the Hugging Face Hub"

@@ -7,8 +7,8 @@ configuration file, one modeling file and one entry here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -53,7 +53,7 @@ def _close_progress_bars() -> None:
     for bar in list(getattr(tqdm, "_instances", ()) or ()):
         try:
             bar.close()
-        except Exception:  # noqa: BLE001 - a half-built bar must not hide the real error
+        except Exception:
             pass
 
 
@@ -68,7 +68,7 @@ def run_command(func, *args, debug: bool = False) -> int:
         _close_progress_bars()
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except Exception as err:  # noqa: BLE001 - the boundary of every command
+    except Exception as err:
         if debug:
             raise
         _close_progress_bars()

@@ -16,8 +16,8 @@ FLOPs ratios 0.897 / 0.895 / 0.926 / 0.918 within 1e-3 (see `TABLE1_ACCOUNTING` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 MLP_MATRICES = {"swiglu": 3, "gelu": 2}  # d×d_ff matrices per MLP: gate/up/down (Qwen3) or up/down (GPT-NeoX)
 
@@ -54,7 +54,7 @@ class SpiralShape:
         return self.query_width // self.head_dim
 
     @classmethod
-    def from_config(cls, config) -> "SpiralShape":
+    def from_config(cls, config) -> SpiralShape:
         d = config.hidden_size
         head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
         kv_heads = config.num_key_value_heads or config.num_attention_heads

@@ -7,8 +7,8 @@ the attention projections and in the per-key attention cost.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class TaH2Shape:
     decider_ffn: int
 
     @classmethod
-    def from_config(cls, config) -> "TaH2Shape":
+    def from_config(cls, config) -> TaH2Shape:
         d = config.hidden_size
         head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
         kv_heads = config.num_key_value_heads or config.num_attention_heads

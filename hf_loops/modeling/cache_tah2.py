@@ -46,7 +46,7 @@ class RaggedLayout:
     seq: torch.Tensor
 
     @classmethod
-    def build(cls, meta_keys: torch.Tensor, meta_values: torch.Tensor, counts: list[int]) -> "RaggedLayout":
+    def build(cls, meta_keys: torch.Tensor, meta_values: torch.Tensor, counts: list[int]) -> RaggedLayout:
         """`counts`: entries per row, kept on the host by the cache, so the view's width needs no device read."""
         rows = meta_values[0, 0, :, 0].long()
         N, device = rows.numel(), rows.device
@@ -113,7 +113,7 @@ class TaH2Cache(DynamicCache):
     ragged_streams: bool = False
 
     @classmethod
-    def adopt(cls, cache: Cache, num_backbone_layers: int, ragged_streams: bool = False) -> "TaH2Cache":
+    def adopt(cls, cache: Cache, num_backbone_layers: int, ragged_streams: bool = False) -> TaH2Cache:
         if not isinstance(cache, DynamicCache):
             raise ValueError(
                 f"TaH2 needs a DynamicCache (its deeper streams grow by a data-dependent number of tokens); got "
@@ -403,7 +403,7 @@ class CallStreams:
     def has(self, stream: int) -> bool:
         return stream in self.meta or stream in self.new_meta
 
-    def share_streams(self, other: "CallStreams", streams: list[int]) -> None:
+    def share_streams(self, other: CallStreams, streams: list[int]) -> None:
         """Read-only access to `other`'s streams (the lookahead reads the main forward's K/V without copying; a ragged
         stream is read through its row-padded view)."""
         if self.scratch is None:
@@ -432,7 +432,7 @@ class CallStreams:
         out = {
             "pos": torch.cat([p["pos"] for p in parts], 1),
             "valid": torch.cat([p["valid"] for p in parts], 1),
-            "iter": torch.cat([torch.full_like(p["pos"], s) for s, p in zip(streams, parts)], 1),
+            "iter": torch.cat([torch.full_like(p["pos"], s) for s, p in zip(streams, parts, strict=False)], 1),
         }
         out["seq"] = (
             torch.cat([p["seq"] for p in parts], 1) if all(p["seq"] is not None for p in parts) else None

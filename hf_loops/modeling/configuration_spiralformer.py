@@ -101,7 +101,7 @@ class SpiralFormerConfig(Qwen3Config):
                 raise ValueError(
                     f"SpiralFormerConfig.chunk_sizes must contain integers >= 1 only, got {self.chunk_sizes!r}"
                 )
-        if any(a < b for a, b in zip(self.chunk_sizes, self.chunk_sizes[1:])):
+        if any(a < b for a, b in zip(self.chunk_sizes, self.chunk_sizes[1:], strict=False)):
             raise ValueError(
                 "SpiralFormerConfig.chunk_sizes must run coarse → fine (non-increasing, e.g. [8, 4, 2, 1]), "
                 f"got {self.chunk_sizes!r}"

@@ -156,7 +156,7 @@ class LayerCollector:
         self.attentions: list | None = [] if want_attentions else None
 
     @classmethod
-    def requested(cls, config, output_hidden_states, output_attentions) -> "LayerCollector | None":
+    def requested(cls, config, output_hidden_states, output_attentions) -> LayerCollector | None:
         want_hidden = bool(config.output_hidden_states if output_hidden_states is None else output_hidden_states)
         want_attn = bool(config.output_attentions if output_attentions is None else output_attentions)
         if want_attn and config._attn_implementation != "eager":
@@ -199,7 +199,7 @@ def literal_choices(config_class, field: str) -> tuple:
         if annotation is None:
             continue
         if isinstance(annotation, str):  # `from __future__ import annotations`
-            annotation = eval(annotation, vars(sys.modules[klass.__module__]))  # noqa: S307 - our own annotation
+            annotation = eval(annotation, vars(sys.modules[klass.__module__]))
         if typing.get_origin(annotation) is typing.Literal:
             return typing.get_args(annotation)
         args = typing.get_args(annotation)  # Literal[...] | None

@@ -207,11 +207,11 @@ class QExit:
         self.survival = torch.ones(valid.shape, dtype=torch.float32, device=valid.device)
         self.q = q
 
-    def emit(self, step: "DepthStep") -> torch.Tensor:
+    def emit(self, step: DepthStep) -> torch.Tensor:
         """(N,) bool: the step's tokens whose output is this depth's (they have not exited yet)."""
         return self.alive[step.batch_index, step.time_index]
 
-    def update(self, step: "DepthStep") -> None:
+    def update(self, step: DepthStep) -> None:
         index = (step.batch_index, step.time_index)
         survival = self.survival[index] * step.continue_prob
         self.survival = self.survival.index_put(index, survival)
@@ -242,19 +242,19 @@ class _Packing:
     rows_host: list | None = None  # one-token packs: `rows` as a host list (None: every row)
 
     @classmethod
-    def everything(cls, valid: torch.Tensor) -> "_Packing":
+    def everything(cls, valid: torch.Tensor) -> _Packing:
         B, T = valid.shape
         return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True, one_per_row=T == 1)
 
     @classmethod
-    def placeholder(cls, batch_size: int, device) -> "_Packing":
+    def placeholder(cls, batch_size: int, device) -> _Packing:
         """One padding slot: lets a rank with no active token still run a depth that other ranks run (sharded
         training needs every rank to call the same modules the same number of times)."""
         zero = torch.zeros(1, 1, dtype=torch.long, device=device)
         return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
 
     @classmethod
-    def of_rows(cls, rows: torch.Tensor, rows_host: list, batch_size: int) -> "_Packing | None":
+    def of_rows(cls, rows: torch.Tensor, rows_host: list, batch_size: int) -> _Packing | None:
         """One-token calls: the packing of the (sorted) rows `rows` (`rows_host` on the host)."""
         n = len(rows_host)
         if n == 0:
@@ -265,7 +265,7 @@ class _Packing:
                    one_per_row=True, rows_host=None if every else rows_host)
 
     @classmethod
-    def of(cls, active: torch.Tensor) -> "_Packing | None":
+    def of(cls, active: torch.Tensor) -> _Packing | None:
         counts = active.sum(1)
         width = int(counts.max()) if active.numel() else 0
         if width == 0:
@@ -538,7 +538,7 @@ class _DepthTrace:
     hidden states, and the rows the backbone computed at each depth. Every per-depth buffer grows with the depths
     actually run, never with `max_iterations` (which may be far larger than the depth any token reaches)."""
 
-    def __init__(self, run: "_LoopSetup", want_hidden: bool):
+    def __init__(self, run: _LoopSetup, want_hidden: bool):
         B, T, _ = run.embeds.shape
         device = run.embeds.device
         self.run, self.want_hidden = run, want_hidden
@@ -555,7 +555,7 @@ class _DepthTrace:
         self.iter_counts = self.run.valid.long()
         self.iteration_hidden.append(h)
 
-    def add(self, step: "DepthStep", h: torch.Tensor) -> None:
+    def add(self, step: DepthStep, h: torch.Tensor) -> None:
         self.first_pass = h if step.depth == 1 else self.first_pass
         self.rows_per_depth.append(int(h.shape[0] * h.shape[1]))
         index = (step.batch_index, step.time_index)
@@ -654,7 +654,7 @@ class TaH2CausalLMOutput(ModelOutput):
     continue_probs: torch.Tensor | None = None
     iteration_hidden_states: tuple[torch.Tensor, ...] | None = None
     rows_per_depth: tuple[int, ...] | None = None
-    loop_records: "TaH2LoopRecords | None" = None
+    loop_records: TaH2LoopRecords | None = None
 
 
 class TaH2PreTrainedModel(PreTrainedModel):
@@ -870,7 +870,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     def _needs_logits_for_decisions(self) -> bool:
         return self.config.decider == "learned" or self.config.updater == "topk_embedding"
 
-    def _unused_parameter_anchor(self) -> torch.Tensor:  # noqa: D401
+    def _unused_parameter_anchor(self) -> torch.Tensor:
         """0 · Σ p over the trainable updater/decider parameters, added to the training loss *inside* forward.
 
         A step where no token continues leaves the updater (and, with a fixed-weight mixture, the decider) out of the

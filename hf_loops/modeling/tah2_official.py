@@ -107,7 +107,7 @@ def load_component(path: str, allow_pickle: bool = False) -> dict:
         raise ValueError(f"official TaH2 checkpoint: {os.path.basename(path)} is missing in {os.path.dirname(path)!r}")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError and others
+    except Exception as err:
         if not allow_pickle:
             raise ValueError(
                 f"{path!r} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}: {err}); "

@@ -376,7 +376,7 @@ class TaH2ForCausalLMvLLM(nn.Module):
         counts = self.depth_counts.tolist()
         stats = {"tokens_per_depth": counts,
                  "mean_depth": sum(counts) / counts[0] if counts[0] else 0.0,
-                 "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:])]}
+                 "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:], strict=False)]}
         if reset:
             self.depth_counts.zero_()
         return stats

@@ -128,7 +128,7 @@ def load_training_dataset(spec: str, split: str = "train"):
         check_rows(rows, cols, (lambda i: f"{spec}:{lines[i]}") if lines else (lambda i: f"{spec}: item {i + 1}"))
         try:
             ds = load_dataset("json", data_files=spec, split="train")
-        except Exception as err:  # noqa: BLE001 - pyarrow type clashes between rows, ...
+        except Exception as err:
             raise ValueError(f"dataset file {spec!r} cannot be read as one table ({type(err).__name__}: "
                              f"{' '.join(str(err).split())[:200]}); give every row the same fields and types") from None
         return normalise_columns(ds, spec)

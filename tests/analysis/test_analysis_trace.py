@@ -70,7 +70,7 @@ def test_sdpa_capture_recomputes_the_eager_weights(qwen, batch):
         eager = capture_trace(model, ids, mask, attn_implementation="eager")
         sdpa = capture_trace(model, ids, mask)
         assert all(s.attention.eager_weights is None for s in sdpa.steps if s.attention is not None)
-        for a, b in zip(eager.steps, sdpa.steps):
+        for a, b in zip(eager.steps, sdpa.steps, strict=False):
             if a.attention is None:
                 continue
             rows = a.attention.row_valid[:, None, :, None].expand_as(a.attention.eager_weights)
@@ -125,7 +125,7 @@ def test_spiralformer_latent_coordinates_and_extrapolation(qwen, batch):
     trace = capture_trace(model, ids, mask, attn_implementation="eager")
     assert [s.label for s in trace.steps] == ["t1.l1", "t2.l1", "t3.l1", "post1"]
     T = ids.shape[1]
-    for step, g in zip(trace.loop_steps(), [4, 2, 1]):
+    for step, g in zip(trace.loop_steps(), [4, 2, 1], strict=False):
         omega = g // 2
         assert step.resolution == 1 / g and step.residual.shape[1] == (T + omega) // g
         assert step.attention.shape == ((T + omega) // g,) * 2

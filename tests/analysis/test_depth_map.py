@@ -75,7 +75,7 @@ def test_html_has_one_span_per_token_with_depth_class_and_tooltip():
     parser = _Spans()
     parser.feed(page)
     assert len(parser.tokens) == len(row.tokens)
-    for a, d, g in zip(parser.tokens, row.depths, row.continue_probs):
+    for a, d, g in zip(parser.tokens, row.depths, row.continue_probs, strict=False):
         assert f"d{d}" in a["class"].split() and a["data-depth"] == str(d)
         assert f"depth {d} of 2" in a["title"]
         if g[0] is not None:

@@ -92,7 +92,7 @@ def test_completion_tokens_are_the_assistant_turn(ckpts):
 def _same(a, b):
     """Every per-example number of two evaluations agrees (NLL to float noise)."""
     assert len(a["examples"]) == len(b["examples"])
-    for x, y in zip(a["examples"], b["examples"]):
+    for x, y in zip(a["examples"], b["examples"], strict=False):
         assert x["generated_text"] == y["generated_text"] and x["correct"] == y["correct"]
         assert x["answer_nll"] == pytest.approx(y["answer_nll"], abs=1e-4)
         for key in ("answer_depths", "generated_depths", "decode_flops"):
@@ -122,7 +122,7 @@ def test_metrics_standard_vs_qwen3_and_flops_accounting(ckpts):
     assert std["metrics"]["answer_nll"] == pytest.approx(qwen["metrics"]["answer_nll"], abs=1e-5)
     assert std["metrics"]["decode_flops_per_token"] == pytest.approx(qwen["metrics"]["decode_flops_per_token"])
     model, tok = load_model(ckpts["standard"])
-    for ex, e in zip(load_examples(ckpts["data"]), std["examples"]):
+    for ex, e in zip(load_examples(ckpts["data"]), std["examples"], strict=False):
         P = len(tokenize_example(tok, ex)[0])
         assert e["decode_flops"] == decode_flops_standard(model.config, P, e["generated_tokens"] - 1)
     m = tah["metrics"]
@@ -229,7 +229,7 @@ def test_exported_tah2_loads_and_runs_like_lm_eval_harness_calls_it(ckpts):
         mask[i, :len(w)] = 1
     with torch.no_grad():
         logp = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
-    for i, ((c, w), req) in enumerate(zip(pairs, LL_REQUESTS)):
+    for i, ((c, w), req) in enumerate(zip(pairs, LL_REQUESTS, strict=False)):
         cont = torch.tensor(w[len(c):])
         got = float(logp[i, len(c) - 1:len(w) - 1].gather(-1, cont[:, None]).sum())
         assert got == pytest.approx(_loglikelihood_one(model, tok, *req)[0], abs=1e-4)
@@ -286,6 +286,6 @@ metric_list:
         assert sample["resps"][0][0] == _generate_one(lm.model, tok, context, ["\n", "Question:"])
     got = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i)
                             for i, r in enumerate(LL_REQUESTS)])
-    for (ll, greedy), req in zip(got, LL_REQUESTS):
+    for (ll, greedy), req in zip(got, LL_REQUESTS, strict=False):
         want_ll, want_greedy = _loglikelihood_one(lm.model, tok, *req)
         assert ll == pytest.approx(want_ll, abs=1e-4) and greedy == want_greedy

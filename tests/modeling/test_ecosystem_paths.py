@@ -151,7 +151,7 @@ def test_return_dict_false_gives_the_tuple_of_the_output_fields(arch):
             as_tuple = model(ids, use_cache=False, return_dict=False)
         assert isinstance(as_tuple, tuple) and not hasattr(as_tuple, "keys"), type(model).__name__
         assert len(as_tuple) == len(as_dict.to_tuple())
-        for a, b in zip(as_tuple, as_dict.to_tuple()):
+        for a, b in zip(as_tuple, as_dict.to_tuple(), strict=False):
             if torch.is_tensor(a):
                 assert torch.equal(a, b)
         first = as_dict.last_hidden_state if hasattr(as_dict, "last_hidden_state") else as_dict.logits

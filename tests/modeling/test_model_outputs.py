@@ -32,7 +32,7 @@ def test_sgt_without_loops_returns_qwen3s_hidden_states_and_eager_attentions():
         a = sgt(ids, output_hidden_states=True, output_attentions=True)
         b = q(ids, output_hidden_states=True, output_attentions=True)
     assert len(a.hidden_states) == len(b.hidden_states) == 4 and len(a.attentions) == 3
-    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
+    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions, strict=False):
         torch.testing.assert_close(x, y)
 
 

@@ -201,11 +201,11 @@ def test_core_cache_holds_no_placeholder_columns():
     _, cache = decode_logits(model, ids, mask, width)
     col = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # K + V bytes of one column, fp32
     omegas = [g // 2 for g in cfg.chunk_sizes]
-    for t, (g, w) in enumerate(zip(cfg.chunk_sizes, omegas)):
+    for t, (g, w) in enumerate(zip(cfg.chunk_sizes, omegas, strict=False)):
         expected = [(n + new + w) // g for n in prompt]  # closed chunks of each row's own tokens
         for l in range(cfg.num_loop_layers):
             assert cache.layers[layout.core_slot(t, l)].row_lengths() == expected, (t, l)
-    core_cols = cfg.num_loop_layers * sum((n + new + w) // g for n in prompt for g, w in zip(cfg.chunk_sizes, omegas))
+    core_cols = cfg.num_loop_layers * sum((n + new + w) // g for n in prompt for g, w in zip(cfg.chunk_sizes, omegas, strict=False))
     got = model.model.cache_bytes(cache)
     assert got["core"] == col * core_cols  # 2 · n_kv · d_head · 4 · N_loop · Σ_rows Σ_t ⌊(n_r + ω_t)/g_t⌋
     assert got["tokens"] == col * (cfg.num_pre_layers + cfg.num_post_layers) * len(prompt) * (width + new)
@@ -260,7 +260,7 @@ def test_sdpa_and_flex_attention_match_eager_prefill_and_decode(monkeypatch):
             results[impl] = (model(ids, attention_mask=mask).logits, decode_logits(model, ids, mask, 8)[0],
                              model(aligned).logits, decode_logits(model, aligned, torch.ones_like(aligned), 3)[0])
     for impl in ("sdpa", "flex_attention"):
-        for k, (got, ref) in enumerate(zip(results[impl], results["eager"])):
+        for k, (got, ref) in enumerate(zip(results[impl], results["eager"], strict=False)):
             m = mask if k < 2 else torch.ones_like(aligned)
             assert max_real_diff(got, ref, m) < 1e-5, (impl, k)
 

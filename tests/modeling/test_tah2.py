@@ -93,7 +93,7 @@ def test_mixture_weights_sum_to_one_m3_and_even_and_final():
             qs = [torch.softmax(model.lm_head(h).float(), -1) for h in out.iteration_hidden_states]
         w = {"stop_prob": [0.3, 0.7 * 0.3, 0.7 * 0.7], "even": [1 / 3] * 3, "final": [0, 0, 1]}[mixture]
         assert math.isclose(sum(w), 1.0)
-        expected = sum(wi * qi for wi, qi in zip(w, qs))
+        expected = sum(wi * qi for wi, qi in zip(w, qs, strict=False))
         assert (out.logits.exp() - expected).abs().max() <= 1e-6, mixture
 
 
@@ -550,13 +550,13 @@ def test_output_hidden_states_match_qwen3_per_layer_and_give_every_depth(M):
         out = m(ids, attention_mask=mask, output_hidden_states=True)
         plain = m(ids, attention_mask=mask)
     assert len(out.hidden_states) == len(ref.hidden_states) == q.config.num_hidden_layers + 1
-    for a, b in zip(out.hidden_states, ref.hidden_states):
+    for a, b in zip(out.hidden_states, ref.hidden_states, strict=False):
         torch.testing.assert_close(a, b)
     assert len(out.iteration_hidden_states) == int(out.iter_counts.max())
     assert plain.hidden_states is None and plain.iteration_hidden_states is None
     with torch.no_grad():
         base = m.model(ids, attention_mask=mask, output_hidden_states=True, max_iterations=1)
-    for a, b in zip(base.hidden_states, ref.hidden_states):
+    for a, b in zip(base.hidden_states, ref.hidden_states, strict=False):
         torch.testing.assert_close(a, b)
 
 
@@ -572,5 +572,5 @@ def test_output_attentions_eager_returns_qwen3_weights_and_sdpa_raises():
         ref = q(ids, output_attentions=True)
         out = m(ids, output_attentions=True)
     assert len(out.attentions) == q.config.num_hidden_layers
-    for a, b in zip(out.attentions, ref.attentions):
+    for a, b in zip(out.attentions, ref.attentions, strict=False):
         torch.testing.assert_close(a, b)

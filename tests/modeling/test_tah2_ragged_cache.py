@@ -165,7 +165,7 @@ def test_decode_step_reads_the_device_once_per_depth_boundary(monkeypatch, M):
             out = model(step_ids[:, t:t + 1], attention_mask=mask, cache=cache, use_cache=True)
             depths.append(out.iter_counts[:, 0])
     monkeypatch.undo()
-    for step, d in zip(syncs, depths):
+    for step, d in zip(syncs, depths, strict=False):
         boundaries = min(int(d.max()), M - 1)  # a boundary runs when some token reached it and could continue
         assert step == ["tolist"] * boundaries, (step, d.tolist())
     assert any(int(d.max()) > 1 for d in depths) and any(int(d.min()) == 1 for d in depths)

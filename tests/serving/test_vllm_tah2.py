@@ -110,12 +110,12 @@ def greedy(n=NEW_TOKENS, **kw):
 def tokens_and_logprobs(outs):
     """Each request's tokens and the log-probability vLLM reports for them (our log q: logits are log q already)."""
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, toks)] for o, toks in zip(outs, tokens)]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, toks, strict=False)] for o, toks in zip(outs, tokens, strict=False)]
     return tokens, logprobs
 
 
 def max_logprob_gap(a, b):
-    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=False) for x, y in zip(row_a, row_b, strict=False))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -134,7 +134,7 @@ def test_greedy_tokens_equal_hf_generate(references, name):
     tokens, logprobs = tokens_and_logprobs(outs)
     assert tokens == ref["tokens"]
     # every token vLLM ran (cached prefix tokens excepted) executed the depth HF's forward gives it
-    ran = [row[o.num_cached_tokens or 0:] for row, o in zip(ref["sequence_depths"], outs)]
+    ran = [row[o.num_cached_tokens or 0:] for row, o in zip(ref["sequence_depths"], outs, strict=False)]
     assert stats["tokens_per_depth"] == [sum(d > m for row in ran for d in row) for m in range(M)]
     assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4  # the same distribution, not only the same argmax
     assert outs[1].num_cached_tokens >= 32  # the shared prefix came from the prefix cache
@@ -172,13 +172,13 @@ def test_sampling_n2_draws_from_the_mixture(references, tmp_path):
     finally:
         close(llm)
     sequences, reported = [], []
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=False):
         assert len(out.outputs) == 2
         for sample in out.outputs:
             tokens = list(sample.token_ids)
             assert len(tokens) == NEW_TOKENS
             sequences.append({"prompt": prompt, "tokens": tokens})
-            reported.append([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
+            reported.append([step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=False)])
     assert len({tuple(s["tokens"]) for s in sequences}) > len(outs)  # the samples differ
     (tmp_path / "seqs.json").write_text(json.dumps(sequences))
     subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), "--score", ref["model"],

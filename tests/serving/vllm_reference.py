@@ -79,7 +79,7 @@ def reference(spec: dict, out_dir: str) -> None:
             tokens = out.sequences[0, len(ids):].tolist()
             outputs.append(tokens)
             # scores = the mixture's log-probabilities log q (no logits processor under greedy decoding)
-            logprobs.append([float(step[0, t]) for step, t in zip(out.scores, tokens)])
+            logprobs.append([float(step[0, t]) for step, t in zip(out.scores, tokens, strict=False)])
             prompt_depths.append(model(x, use_cache=False).iter_counts[0].tolist())
             # depths of every token vLLM feeds the model: the prompt and all generated tokens but the last
             fed = torch.tensor([ids + tokens[:-1]])

@@ -103,7 +103,7 @@ def test_chat_template_marks_assistant_tokens(base):
     messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3=5\n#### 5"}]
     out = tokenizer.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
     ids, mask = out["input_ids"], out["assistant_masks"]
-    assistant = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assistant = tokenizer.decode([i for i, m in zip(ids, mask, strict=False) if m])
     assert assistant == "2+3=5\n#### 5<|im_end|>"
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n2+3=5\n#### 5<|im_end|>\n"

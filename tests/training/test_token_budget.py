@@ -127,7 +127,7 @@ def test_trainer_uses_the_budget_and_pools_delta_cut_and_beta_per_micro_batch(tm
     model = trainer.model.eval()
     packed = max(step0, key=lambda b: int((b["position_ids"] == 0).sum()))
     starts = (packed["position_ids"][0] == 0).nonzero().flatten().tolist() + [packed["input_ids"].shape[1]]
-    seqs = [packed["input_ids"][0, a:b].tolist() for a, b in zip(starts, starts[1:])]
+    seqs = [packed["input_ids"][0, a:b].tolist() for a, b in zip(starts, starts[1:], strict=False)]
     assert len(seqs) >= 2
     width = max(map(len, seqs))
     padded = {"input_ids": torch.tensor([s + [0] * (width - len(s)) for s in seqs]),

@@ -17,9 +17,9 @@ import torch
 from hf_loops import SGTConfig, SGTForCausalLM, SpiralFormerConfig, SpiralFormerForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tah2_helpers import script_decider  # noqa: E402
+from tah2_helpers import script_decider
 
-from hf_loops.conversion import convert_qwen3  # noqa: E402
+from hf_loops.conversion import convert_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = (REPO / ".." / "shared" / "data" / "qwen3-tokenizer").resolve()
