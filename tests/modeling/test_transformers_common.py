@@ -10,7 +10,7 @@ SpiralFormer and SGT. A common test that does not apply to a looped model is ski
 tables below; every other one must pass (the three real bugs these tests found, `return_dict=False` ignored by the
 base models, no `_tp_plan`/`_pp_plan` and wrong reentrant-checkpointing gradients, are fixed). The tensor-parallel, FSDP
 and pipeline mixins are not run: they need several processes or Hub checkpoints (our own tests cover those paths).
-tests/modeling/conftest.py prints a per-architecture summary (passed / skipped by name / skipped upstream / xfailed).
+tests/conftest.py prints a per-architecture summary (passed / skipped by name / skipped upstream / xfailed).
 """
 
 from __future__ import annotations
