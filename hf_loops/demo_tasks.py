@@ -178,6 +178,7 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
                                    "samples": [e["generated_text"] for e in r["examples"][:3]]})
                 shutil.rmtree(ckpt)  # 9 checkpoints would be ~120 MB; the numbers are in runs.json
         shutil.rmtree(base32)
+        shutil.rmtree(os.path.join(tmp, "runs"))
         agg = aggregate(runs)
         headers, rows = table(agg)
         ch, crows = class_table(agg)
