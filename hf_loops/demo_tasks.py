@@ -32,6 +32,9 @@ ARITHMETIC_TRAINING = {
     "max_steps": 60,
     "max_length": 160,
     "logging_steps": 10,
+    # The authors' threshold warm-up (τ from ~0 over the first third): validation answer NLL 1.283 vs 1.295 without
+    # (one seed, lr 3e-3); inert for Standard and TaH2-fixed, which have no learned decider.
+    "base_warmup_steps": 20,
 }
 
 
