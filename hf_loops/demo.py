@@ -465,7 +465,8 @@ def _arithmetic_demo(args, out: str) -> int:
     print(_table(*res["table"]))
     print("\nTaH2's deep tokens per class:")
     print(_table(*res["class_table"]))
-    print(f"\nwrote {res['out']} (report.md, runs.json, em_vs_flops.png) in {res['seconds']:.0f} s")
+    print(f"\nwrote {res['out']} (report.md, runs.json, em_vs_flops.png, deep_share_by_class.png, depth_map.png) "
+          f"in {res['seconds']:.0f} s")
     return 0
 
 

@@ -18,7 +18,7 @@ import statistics
 import time
 
 from .data import arithmetic as A
-from .evaluation import evaluate, load_examples, output_dir
+from .evaluation import evaluate, load_examples, output_dir, write_pictures
 
 ARCHS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"), ("tah2-fixed", "TaH2-fixed (M=2)"))
 SEEDS = (0, 1, 2)
@@ -120,6 +120,30 @@ def plot_em_vs_flops(agg: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_class_shares(agg: dict, path: str, arch: str = "tah2") -> None:
+    """Bar chart: TaH2's share of deep tokens per token class, mean over seeds with the min–max range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = agg.get(arch) or []
+    classes = [c for c in A.TOKEN_CLASSES if rs and rs[0]["deep_share"][c]["tokens"]]
+    vals = [[100 * r["deep_share"][c]["deep_share"] for r in rs] for c in classes]
+    means = [statistics.fmean(v) for v in vals]
+    err = [[m - min(v) for m, v in zip(means, vals)], [max(v) - m for m, v in zip(means, vals)]]
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=110)
+    ax.bar(classes, means, yerr=err, color="#c44e12", alpha=0.85, capsize=3)
+    ax.set_ylabel("deep tokens (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"TaH2: share of deep (2-pass) tokens per class, {len(rs)} seeds", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def verdict(agg: dict) -> list[str]:
     """What the measured numbers say about the claim, with the spread; no claim beyond them."""
     def mean(arch, key):
@@ -147,7 +171,8 @@ def verdict(agg: dict) -> list[str]:
 def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: int | None = None,
                         training: dict | None = None, sizes: dict | None = None, archs=None,
                         progress: bool = False, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
-    """Train and evaluate every arch × seed; write `out/` (report.md, runs.json, em_vs_flops.png, data/)."""
+    """Train and evaluate every arch × seed; write `out/` (report.md, runs.json, em_vs_flops.png,
+    deep_share_by_class.png, depth_map.html/.png and loss_curves.png of the first seed, data/)."""
     from . import data
     from .demo import DEMO_TRAINING, float32_base, train_one
     from .evaluation import markdown_table
@@ -168,6 +193,7 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
         base32 = float32_base(data.default_base_dir(), os.path.join(tmp, "base_fp32"))
         examples = load_examples(paths["heldout"])
         runs = {a: [] for a in archs}
+        first, label_of = [], dict(ARCHS)  # the first seed's full results, for the depth pictures
         for seed in seeds:
             for arch in archs:
                 print(f"[demo arithmetic] seed {seed}: post-training {arch} ({settings['max_steps']} steps)",
@@ -176,6 +202,8 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
                 summ = train_one(base32, arch, paths["train"], ckpt, settings, seed)
                 r = evaluate(ckpt, examples=examples, batch_size=20, max_new_tokens=max_new_tokens,
                              progress=progress, decider_accuracy=False)
+                if seed == seeds[0]:
+                    first.append({**r, "name": label_of[arch]})
                 runs[arch].append({"seed": seed, "metrics": r["metrics"], "train_runtime": summ["train_runtime"],
                                    "class_shares": A.class_deep_shares(r["examples"]),
                                    "samples": [e["generated_text"] for e in r["examples"][:3]]})
@@ -186,6 +214,8 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
         headers, rows = table(agg)
         ch, crows = class_table(agg)
         plot_em_vs_flops(agg, os.path.join(tmp, "em_vs_flops.png"))
+        plot_class_shares(agg, os.path.join(tmp, "deep_share_by_class.png"))
+        write_pictures(first, tmp)  # depth_map.html/.png of TaH2 (first seed), loss curves
         seconds = time.perf_counter() - t_start
         with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
             json.dump({"settings": settings, "seeds": list(seeds), "sizes": {**SIZES, **(sizes or {})},
@@ -209,6 +239,10 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
             "",
             "Carry digits: computed result digits whose column receives a carry/borrow; result digits: the other "
             "computed digits; copied digits: operands and repeated results.",
+            "",
+            "![deep share by class](deep_share_by_class.png)",
+            "",
+            "![per-token depth](depth_map.png)",
             "",
             "![exact match vs decode FLOPs](em_vs_flops.png)",
             "",

@@ -50,6 +50,8 @@ def test_verdict_says_not_held_unless_ahead_in_every_seed():
 def test_plot_writes_a_png(tmp_path):
     D.plot_em_vs_flops(D.aggregate(_runs()), str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+    D.plot_class_shares(D.aggregate(_runs()), str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_cli_refuses_arithmetic_with_a_custom_dataset(tmp_path, capsys):
@@ -67,7 +69,7 @@ def test_run_arithmetic_demo_end_to_end_tiny(tmp_path):
                                 sizes={"n_train": 8, "n_validation": 2, "n_heldout": 3},
                                 training={"per_device_train_batch_size": 2})
     files = set(os.listdir(tmp_path / "out"))
-    assert {"report.md", "runs.json", "em_vs_flops.png", "data"} <= files and "runs" not in files
+    assert {"report.md", "runs.json", "em_vs_flops.png", "deep_share_by_class.png", "depth_map.png", "data"} <= files and "runs" not in files
     with open(tmp_path / "out" / "runs.json") as f:
         runs = json.load(f)["runs"]
     assert sorted(runs) == ["standard", "tah2", "tah2-fixed"]
