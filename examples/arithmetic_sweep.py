@@ -59,7 +59,6 @@ def main():
         out = os.path.join(a.keep or work, f"{arch}_s{a.seed}")
         if os.path.isdir(out):
             shutil.rmtree(out)
-        t0 = time.perf_counter()
         summ = train_one(base32, arch, paths["train"], out, settings, a.seed)
         t1 = time.perf_counter()
         r = evaluate(out, examples=examples, batch_size=20, max_new_tokens=a.max_new_tokens, progress=False)
