@@ -3,7 +3,7 @@
 Every problem is a short word problem solved by a chain of 1..`max_steps` calculator steps written the GSM8K way,
 `a+b=<<a+b=c>>c`, ending with the answer line `#### N`:
 
-    question: Mia has 47 pens. She buys 38 more, then gives away 19. How many pens does she have now?
+    question: Mia has 47 pens. She buys 38 more. She then loses 19. How many pens does Mia have now?
     answer:   Mia has 47+38=<<47+38=85>>85 pens.
               Then she has 85-19=<<85-19=66>>66 pens.
               #### 66
