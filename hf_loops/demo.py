@@ -420,7 +420,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--task", choices=DEMO_TASKS, default="both",
                    help="arithmetic: the seeded arithmetic task (Standard, TaH2, TaH2-fixed over --seeds seeds); "
-                        "gsm8k: the GSM8K run; both (default): both tables, arithmetic first. --base/--dataset: gsm8k")
+                        "gsm8k: the GSM8K run; both (default): the GSM8K run, then the arithmetic task in OUT/arithmetic. "
+                        "--base/--dataset: gsm8k only")
     p.add_argument("--seeds", type=int, default=3, help="seeds of the arithmetic task (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: at this model size more threads cost more than they save)")
