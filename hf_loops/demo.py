@@ -67,6 +67,7 @@ DEMO_TRAINING = {
 }
 DEMO_HELDOUT = 20
 RUNS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"))
+DEMO_TASKS = ("both", "arithmetic", "gsm8k")
 PAPER_SCALE = (
     "The paper's gains (+2.9 to +4.8 average accuracy points over Standard at 1.21-2.37x decode FLOPs per token) come "
     "from Qwen3-1.7B/4B/8B-Base post-trained on about 273k reasoning and tool-use samples (3 epochs, about 3.4B tokens, "
@@ -414,6 +415,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="evaluation batch size")
     p.add_argument("--max-iterations", type=int, default=None, help="M of the TaH2 run (default 2; --random: 3)")
     p.add_argument("--seed", type=int, default=0)
+    # gsm8k is the default: the arithmetic task over 3 seeds takes ~7 minutes on 2 cores, past make demo's budget
+    p.add_argument("--task", choices=DEMO_TASKS, default="gsm8k",
+                   help="gsm8k (default): the GSM8K run; arithmetic: the seeded arithmetic task (Standard, TaH2, "
+                        "TaH2-fixed over --seeds seeds, ~7 min); both: the GSM8K run, then the arithmetic task in "
+                        "OUT/arithmetic. --base/--dataset: gsm8k only")
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the arithmetic task (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: at this model size more threads cost more than they save)")
     p.add_argument("--no-progress", action="store_true")
@@ -434,6 +441,38 @@ def cmd_demo(args, argv: list[str] | None = None) -> int:
                            args.tokenizer, args.seed)
         return 0
     set_threads(args.threads)
+    task = getattr(args, "task", "gsm8k")
+    if task != "gsm8k" and (args.base or args.dataset):
+        if task == "arithmetic":
+            raise ValueError("--task arithmetic runs on the embedded base and its own data: drop --base/--dataset")
+        task = "gsm8k"  # a custom base or dataset: the question/answer pipeline only
+    if task == "arithmetic":
+        return _arithmetic_demo(args, args.out)
+    rc = _gsm8k_demo(args, argv)
+    if task == "both":
+        _arithmetic_demo(args, os.path.join(args.out, "arithmetic"))
+    return rc
+
+
+def _arithmetic_demo(args, out: str) -> int:
+    """The arithmetic task's table (`hf_loops.demo_tasks`), printed with its class shares."""
+    from .demo_tasks import run_arithmetic_demo
+    from .evaluation import console_table as _table
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    res = run_arithmetic_demo(out, overwrite=args.overwrite, seeds=tuple(range(args.seeds)), steps=args.steps,
+                              progress=not args.no_progress)
+    print("\narithmetic task, held out (mean ± std over seeds):")
+    print(_table(*res["table"]))
+    print("\nTaH2's deep tokens per class:")
+    print(_table(*res["class_table"]))
+    print(f"\nwrote {res['out']} (report.md, runs.json, em_vs_flops.png, deep_share_by_class.png, depth_map.png) "
+          f"in {res['seconds']:.0f} s")
+    return 0
+
+
+def _gsm8k_demo(args, argv: list[str] | None) -> int:
     command = "hf-loops demo" + ("" if not argv else " " + shlex.join(argv))
     result = run_demo(base=args.base, dataset=args.dataset, out=args.out, overwrite=args.overwrite, split=args.split,
                       heldout=args.heldout, steps=args.steps, max_iterations=or_default(args.max_iterations, 2),

@@ -35,6 +35,7 @@ class TaH2SFTConfig(SFTConfig):
     lookahead: bool = field(default=True, metadata={"help": "Train the decider with lookahead labels (learned decider, M >= 2, duo/same_iter)."})
     gate_sharpness: float = field(default=50.0, metadata={"help": "Ouro Stage II (decider='exit_gate'): k of the soft gate target σ(k(I − γ)), > 0."})
     gate_margin: float = field(default=0.005, metadata={"help": "Ouro Stage II: γ of the soft gate target, >= 0."})
+    base_warmup_steps: int = field(default=0, metadata={"help": "Threshold warm-up: τ ramps linearly from 0 to the model's exit_threshold over this many optimizer steps (0: off)."})
 
     def __post_init__(self):
         self._check_trainer_numbers()
@@ -54,6 +55,8 @@ class TaH2SFTConfig(SFTConfig):
         if not self.gate_sharpness > 0 or self.gate_margin < 0:
             raise ValueError(f"gate_sharpness must be > 0 and gate_margin >= 0, got {self.gate_sharpness}, "
                              f"{self.gate_margin}")
+        if self.base_warmup_steps < 0:
+            raise ValueError(f"base_warmup_steps must be >= 0, got {self.base_warmup_steps}")
         if self.ddp_find_unused_parameters is None:
             # TaH2's forward reaches every trainable parameter in every step (see `_unused_parameter_anchor`), so DDP's
             # extra graph traversal for unused parameters would find none; either setting is correct.
@@ -119,6 +122,8 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits:
     core = _unwrap(model)
     inputs = dict(inputs)
     labels = inputs.pop("labels")
+    tau = inputs.get("exit_threshold")
+    tau = core.config.exit_threshold if tau is None else tau
     lookahead = uses_lookahead(core, args)
     exit_gate = core.config.decider == "exit_gate" and core.config.max_iterations >= 2
     outputs = model(**inputs, labels=labels, use_cache=False, return_loop_records=lookahead or exit_gate,
@@ -155,7 +160,7 @@ def tah2_joint_loss(model, inputs, args, num_items_in_batch=None, return_logits:
         bce_sum = decider_bce_sum(rec.decider_logits, labels_d, margin=args.bce_margin).to(ntp.device)
         loss = ntp + args.decider_loss_weight * bce_sum / n
         metrics["decider_loss"] = (bce_sum.detach(), n_local)
-        accuracy = decider_accuracy_counts(rec.decider_logits, labels_d, core.config.exit_threshold, M)
+        accuracy = decider_accuracy_counts(rec.decider_logits, labels_d, tau, M)  # τ of this step (warm-up)
         for m in range(1, M):
             c, terms = labels_d.continue_labels[m - 1], labels_d.bce_mask[m - 1]
             metrics[f"delta_cut@{m}"] = (torch.tensor(labels_d.delta_cut[m - 1]), one)
@@ -227,7 +232,23 @@ class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
         sampler = getattr(self, "token_budget_sampler", None)
         return sampler if sampler is not None else super()._get_train_sampler(train_dataset)
 
+    def warmup_threshold(self, model) -> float | None:
+        """τ of this training step under the threshold warm-up (None when off or done): τ·step/base_warmup_steps,
+        kept inside (0, 1) — at τ ≈ 0 every token continues, so the updater learns at every depth before the
+        decider may stop tokens."""
+        n = self.args.base_warmup_steps
+        step = self.state.global_step
+        if not n or step >= n or not model.training:
+            return None
+        core = _unwrap(model)
+        if getattr(core.config, "decider", None) != "learned":
+            return None
+        return max(core.config.exit_threshold * step / n, 1e-6)
+
     def tah2_loss(self, model, inputs, num_items_in_batch=None, return_logits: bool = False):
+        tau = self.warmup_threshold(model)
+        if tau is not None:
+            inputs = {**inputs, "exit_threshold": tau}
         return tah2_joint_loss(model, inputs, self.args, num_items_in_batch, return_logits=return_logits)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
