@@ -230,6 +230,7 @@ class QExit:
 class _Packing:
     """Which tokens one depth runs: per batch row `rows`, the active tokens gathered to the left (stable order) and
     right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token.
+    Training objectives use the flat variant (`flat_of`): one row of every row's active tokens, no padding slots.
 
     One-token calls (decoding) take `one_per_row`: every slot is a token (depth 1 runs every row, padding included,
     and the padding rows' outputs are masked afterwards), so listing the tokens needs no host sync."""
@@ -829,9 +830,10 @@ class TaH2Model(TaH2PreTrainedModel):
 
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
-    # Deeper depths of a training objective run on a flat (varlen) packing of the active tokens (`_Packing.flat_of`);
-    # False keeps the per-row packing (the same values up to float rounding; tests compare the two).
-    flat_deeper_packing = True
+    # Layout of the deeper depths of a training objective: "auto" = flat (varlen, `_Packing.flat_of`) where it costs
+    # fewer FLOPs than per-row padding (`_flat_is_cheaper`), "flat", or "per_row". The same values up to float rounding
+    # (tests compare the two).
+    deeper_packing = "auto"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
@@ -1012,9 +1014,11 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         )
         streams = CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal"),
                               batch_size=B)
-        # Training objectives (no cache, several tokens per row) pack the deeper depths flat: no per-row padding.
-        streams.flat = (self.flat_deeper_packing and cache is None and T > 1 and cfg.decider != "exit_gate"
-                        and (self.training or return_loop_records))
+        # Training objectives (no cache, several tokens per row) may pack the deeper depths flat (no per-row padding);
+        # None = eligible, decided at the first deeper depth (`_advance`).
+        eligible = (self.deeper_packing != "per_row" and cache is None and T > 1 and cfg.decider != "exit_gate"
+                    and (self.training or return_loop_records))
+        streams.flat = None if eligible else False
         return _LoopSetup(
             max_iterations=M, exit_threshold=tau, embeds=embeds, valid=valid, attention_mask=attention_mask,
             position_ids=position_ids, seq_ids=seq_ids, token_index=(torch.arange(T, device=device) + past).expand(B, T),
@@ -1096,7 +1100,26 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
         if rows_host is not None:
             return x, _Packing.of_rows(cb, rows_host, B)
         active = torch.zeros(B, T, dtype=torch.bool, device=x.device).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
+        if run.streams.flat is None:  # one layout for every deeper stream of the call
+            run.streams.flat = self.deeper_packing == "flat" or self._flat_is_cheaper(active)
         return x, (_Packing.flat_of(active) if run.streams.flat else _Packing.of(active))
+
+    def _flat_is_cheaper(self, active: torch.Tensor) -> bool:
+        """Does the flat packing of `active` (B, T) cost fewer backbone FLOPs than the per-row one? Flat runs only the
+        N active tokens through the linear layers, but under a dense mask each query also scores the other rows' keys
+        (B·T + N of them instead of T + width); flex's BlockMask skips those blocks, so flex always packs flat."""
+        if self.config._attn_implementation == "flex_attention":
+            return True
+        cfg = self.config
+        counts = active.sum(1).tolist()
+        B, T = active.shape
+        n, width, rows = sum(counts), max(counts, default=0), sum(1 for c in counts if c)
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        linear = 2 * cfg.hidden_size * (hd * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads)
+                                        + 3 * cfg.intermediate_size)  # FLOPs per token per layer
+        pair = 4 * cfg.num_attention_heads * hd  # FLOPs per (query, key) pair per layer
+        per_row = rows * width * (linear + pair * (T + width))
+        return n * (linear + pair * (B * T + n)) <= per_row
 
     def _accumulate(self, run: _LoopSetup, step: DepthStep, mixture: StoppingWeightedMixture, recorder) -> None:
         """Add depth m to the mixture (the kept positions' distributions and/or log q[y]) and to the loop records.
@@ -1305,7 +1328,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, GenerationMixin):
             reuse = reuse_main and ran_next
             queries = active & ~continued if reuse else active
             base = records.token_logprob[m].clone() if reuse else torch.zeros(B, T, device=device)
-            flat = records.streams.flat  # the main forward's deeper streams are flat: read them the same way
+            flat = bool(records.streams.flat)  # the layout of the main forward's deeper streams
             pack = _Packing.flat_of(queries) if flat else _Packing.of(queries)
             if not _any_on_any_rank(pack is not None, synchronise):
                 out.append(base)

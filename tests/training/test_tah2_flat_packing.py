@@ -1,6 +1,6 @@
 """Flat (varlen) packing of TaH2's deeper depths in training: one (1, N) row of every row's active tokens, instead of
 per-row right padding. The values must not change: a seeded sweep runs each case twice in float64, flat and per-row
-(`flat_deeper_packing = False`, the previous layout), and compares the loss, every gradient, the per-depth losses,
+(`deeper_packing = "per_row"`, the previous layout), and compares the loss, every gradient, the per-depth losses,
 the lookahead losses, the depth labels and every logged metric."""
 
 import random
@@ -22,12 +22,12 @@ def _model(M, mode):
 
 
 def _run(model, batch, extra, args, flat):
-    model.flat_deeper_packing = flat
+    model.deeper_packing = "flat" if flat else "per_row"
     model.zero_grad(set_to_none=True)
     try:
         loss, out, metrics, look = run_case(model, batch.inputs, extra, args)
     finally:
-        model.__dict__.pop("flat_deeper_packing", None)
+        model.__dict__.pop("deeper_packing", None)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss, out, metric_values(metrics), look, grads
 
@@ -83,3 +83,14 @@ def test_flat_packing_equals_per_row_packing_over_a_seeded_sweep():
         except AssertionError as err:
             raise AssertionError(f"case {case}: {err}") from err
     assert deep_flat >= 10
+
+
+def test_auto_packing_picks_the_layout_with_fewer_flops():
+    """Flat where padding costs more than the other rows' keys (ragged rows), per-row where the rows are full
+    (nothing to save, only keys to add)."""
+    model = tiny_tah2(seed=3, max_iterations=2)
+    T = 64
+    ragged = torch.zeros(2, T, dtype=torch.bool)
+    ragged[0, :60], ragged[1, :4] = True, True
+    assert model._flat_is_cheaper(ragged)
+    assert not model._flat_is_cheaper(torch.ones(4, T, dtype=torch.bool))
