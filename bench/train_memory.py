@@ -123,7 +123,7 @@ def rows(size: Size, ctx: Ctx) -> list[Row]:
             std, tah = got["standard"], got["tah2"]
             ratio = tah["peak_gb"] / std["peak_gb"]
             step = {k: v["peak_gb"] - v["before_gb"] for k, v in got.items()}
-            fit = "" if tokens == 4096 else " (4096 does not fit the run's memory / time budget on this CPU)"
+            fit = "" if tokens == 4096 else " (below the issue's 4096: one step at 4096 takes many minutes on a 2-core CPU)"
             note = (f"peak RSS {tah['peak_gb']:.2f} / {std['peak_gb']:.2f} GiB; step increment over the built model "
                     f"{step['tah2']:.2f} / {step['standard']:.2f} GiB ({step['tah2'] / max(step['standard'], 1e-9):.2f}×);"
                     f" {tokens} tokens{fit}, batch {BATCH}; d̄ {tah['mean_depth']:.2f}; 2 layers × 1024, tied head")
