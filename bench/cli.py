@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> list:
             if got:
                 eprint(f"[bench] {group} / {name}: {len(got)} rows in {time.perf_counter() - t:.0f} s")
     order = list(dict.fromkeys(r.id for r in rows))
-    rows.sort(key=lambda r: (order.index(r.id), sizes.index(r.size)))  # a row's sizes side by side
+    rows.sort(key=lambda r: (order.index(r.id), sizes.index(r.size) if r.size in sizes else len(sizes)))  # sizes side by side
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     stem = args.stem or (args.device if args.group == "all" and not args.quick and not ctx.rows
                          else f"{args.device}-{args.group}" + ("-quick" if args.quick else ""))

@@ -112,7 +112,7 @@ def rows(size: Size, ctx: Ctx) -> list[Row]:
         return []  # RSS is host memory; the shape is its own, so one run per suite (at the 100m size, or --quick)
     out = []
     for precision in ("float32", "bfloat16"):
-        row_id = f"tah2-sft-mem-{'fp32' if precision == 'float32' else 'bf16'}"
+        row_id = f"tah2-mem-{'fp32' if precision == 'float32' else 'bf16'}"
         title = f"TaH2 SFT step peak memory ÷ Standard (M = 2, vocab 151,936, {precision}" + (
             " autocast)" if precision == "bfloat16" else ")")
         if not ctx.wants(row_id):
