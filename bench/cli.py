@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from . import compiled, spiral, tah2_decode, tah2_generate, train_steps
+from . import compiled, spiral, tah2_decode, tah2_generate, train_memory, train_steps
 from .common import SIZES, WORKLOADS, Ctx
 from .report import eprint, markdown, settings, write
 
@@ -18,6 +18,7 @@ GROUPS = {
     "tah2-decode": tah2_decode.rows,  # efficiency b1/b8, TaH2-fixed, depth ≈ 1.2, KV bytes at batch 8
     "tah2-generate": tah2_generate.rows,  # generate: continuous depth vs lockstep, b1/b8/b32, vs the FLOPs bound
     "train-steps": train_steps.rows,  # TaH2 SFT step, SGT and Block Loop train steps
+    "train-memory": train_memory.rows,  # TaH2 SFT step peak memory ÷ Standard at vocabulary 151,936 (subprocesses)
     "spiral": spiral.rows,  # SpiralFormer-B prefill, core passes per decode token
     "compile": compiled.rows,  # torch.compile vs eager decode (subprocess with a time limit)
 }

@@ -23,7 +23,7 @@ def stats(items, limit):
         longest.append(max((len(m) for m in re.findall(r"\d+", text)), default=0))
         hit += e["generated_tokens"] >= limit
         total += e["generated_tokens"]
-        in_run += sum(len(m) for m in re.findall(r"\d{%d,}" % RUN, text))  # one digit = one token here
+        in_run += sum(len(m) for m in re.findall(rf"\d{{{RUN},}}", text))  # one digit = one token here
     return {"mean_longest_digit_run": sum(longest) / len(longest), "max_digit_run": max(longest),
             "digits_in_long_runs_per_generated_token": in_run / max(total, 1), "hit_token_limit": hit / len(items)}
 

@@ -131,7 +131,7 @@ def plot_class_shares(agg: dict, path: str, arch: str = "tah2") -> None:
     classes = [c for c in A.TOKEN_CLASSES if rs and rs[0]["deep_share"][c]["tokens"]]
     vals = [[100 * r["deep_share"][c]["deep_share"] for r in rs] for c in classes]
     means = [statistics.fmean(v) for v in vals]
-    err = [[m - min(v) for m, v in zip(means, vals)], [max(v) - m for m, v in zip(means, vals)]]
+    err = [[m - min(v) for m, v in zip(means, vals, strict=False)], [max(v) - m for m, v in zip(means, vals, strict=False)]]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=110)
     ax.bar(classes, means, yerr=err, color="#c44e12", alpha=0.85, capsize=3)
     ax.set_ylabel("deep tokens (%)")
@@ -150,7 +150,7 @@ def verdict(agg: dict) -> list[str]:
         return statistics.fmean(r[key] for r in agg[arch])
 
     em = {a: [r["exact_match"] for r in agg[a]] for a in agg}
-    wins = sum(t > s for t, s in zip(em["tah2"], em["standard"]))
+    wins = sum(t > s for t, s in zip(em["tah2"], em["standard"], strict=False))
     lines = [f"- **Exact match, TaH2 vs Standard:** {_pm(em['tah2'], '.1f', 100.0)} % vs "
              f"{_pm(em['standard'], '.1f', 100.0)} % (mean ± std over {len(em['tah2'])} seeds); TaH2 ahead in "
              f"{wins} of {len(em['tah2'])} seeds, at {mean('tah2', 'flops_ratio'):.2f}× Standard's decode FLOPs."]

@@ -24,8 +24,8 @@ import json
 import os
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Per-token classes, from "needs computation" to "format". A "carry digit" is a computed result digit whose column
 # receives a carry (addition, multiplication) or a borrow (subtraction) from the columns to its right; a "result
@@ -223,7 +223,7 @@ def class_deep_shares(items: Sequence[dict]) -> dict[str, dict]:
     for e in items:
         if "answer_depths" not in e:
             continue
-        for c, d in zip(token_classes(e["answer_tokens"], e["answer_special"]), e["answer_depths"]):
+        for c, d in zip(token_classes(e["answer_tokens"], e["answer_special"]), e["answer_depths"], strict=False):
             sums[c][0] += 1
             sums[c][1] += d
             sums[c][2] += d >= 2

@@ -25,7 +25,25 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .loop_utils import ensure_cache_slots
 
-__all__ = ["TaH2Cache", "CallStreams", "StreamView", "RaggedLayout"]
+__all__ = ["TaH2Cache", "CallStreams", "StreamView", "RaggedLayout", "flat_sequence_ids"]
+
+
+def flat_sequence_ids(seq: torch.Tensor | None, batch_size: int, width: int, device) -> torch.Tensor:
+    """(B, T) sequence id of every token once the rows are laid end to end (flat packing): row b's document j gets
+    b·(T + 1) + j, so no two rows (and no two documents of a packed row) share an id."""
+    rows = torch.arange(batch_size, device=device)[:, None] * (width + 1)
+    return (rows + (seq if seq is not None else torch.zeros((), dtype=torch.long, device=device))).expand(batch_size, width)
+
+
+def flatten_rows(t: torch.Tensor) -> torch.Tensor:
+    """Row-padded (B, S, ...) metadata → (1, B·S, ...), row-major (the flat packing's key order)."""
+    return t.reshape(1, -1, *t.shape[2:])
+
+
+def flatten_rows_kv(t: torch.Tensor) -> torch.Tensor:
+    """Row-padded (B, H, S, D) keys or values → (1, H, B·S, D), row-major over (row, slot)."""
+    B, H, S, D = t.shape
+    return t.transpose(0, 1).reshape(1, H, B * S, D)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -349,6 +367,7 @@ class CallStreams:
         self.new_meta: dict[int, dict] = {}  # stream -> this call's entries
         self.had_past: dict[int, bool] = {}  # set by `commit`: did the stream hold entries before this call?
         self.layouts: dict[int, RaggedLayout] = {}
+        self.flat = False  # deeper streams hold flat (1, N) entries of a flat packing (stream 0 stays row-padded)
 
     def store(self, stream: int) -> TaH2Cache:
         if self.cache is not None and (stream == 0 or self.persist_deeper):
@@ -426,9 +445,13 @@ class CallStreams:
                     self.scratch.layers[dst] = src.layers[src.kv_slot(s, 0) + offset]
             self.meta[s] = other.merged(s)
 
-    def key_metadata(self, streams: list[int], rows: torch.Tensor | None) -> dict:
+    def key_metadata(self, streams: list[int], rows: torch.Tensor | None, flat: bool = False) -> dict:
+        """Key metadata of `streams` in stream order, for the rows `rows`; `flat`: for a flat query packing, whose
+        deeper streams are flat already and whose stream 0 is laid out flat here (with its rows' sequence ids)."""
         streams = [s for s in streams if self.has(s)]
         parts = [self.merged(s) for s in streams]
+        if flat:
+            parts = [self._flat_part(p) if s == 0 else p for s, p in zip(streams, parts, strict=False)]
         out = {
             "pos": torch.cat([p["pos"] for p in parts], 1),
             "valid": torch.cat([p["valid"] for p in parts], 1),
@@ -443,6 +466,13 @@ class CallStreams:
         if rows is not None:
             out = {k: (v.index_select(0, rows) if v is not None else None) for k, v in out.items()}
         return out
+
+    @staticmethod
+    def _flat_part(part: dict) -> dict:
+        B, S = part["pos"].shape
+        seq = flat_sequence_ids(part["seq"], B, S, part["pos"].device)
+        return {"pos": flatten_rows(part["pos"]), "valid": flatten_rows(part["valid"]), "index": flatten_rows(part["index"]),
+                "seq": flatten_rows(seq), "cont": None if part.get("cont") is None else flatten_rows(part["cont"])}
 
     def commit(self, depth_of_new_stream0: torch.Tensor) -> None:
         """Append this call's metadata to the caches that keep it (K/V were appended by the layers; ragged streams'
@@ -479,8 +509,9 @@ class StreamView:
     """
 
     def __init__(self, streams: CallStreams, stream: int, key_streams: list[int], rows, batch_size: int,
-                 copy_previous: torch.Tensor | None = None, real: torch.Tensor | None = None):
+                 copy_previous: torch.Tensor | None = None, real: torch.Tensor | None = None, flat: bool = False):
         self.streams = streams
+        self.flat = flat  # flat query packing: stream 0's row-padded K/V are read laid end to end
         self.stream = stream
         self.key_streams = key_streams
         self.rows = rows
@@ -605,6 +636,8 @@ class StreamView:
                 values.append(self._select(v_own))
             else:
                 other_keys, other_values = self._stored(s, layer_idx)
+                if self.flat and s == 0:
+                    other_keys, other_values = flatten_rows_kv(other_keys), flatten_rows_kv(other_values)
                 keys.append(self._select(other_keys))
                 values.append(self._select(other_values))
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)

@@ -32,7 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .cache_tah2 import CallStreams, StreamView, TaH2Cache
+from .cache_tah2 import CallStreams, StreamView, TaH2Cache, flat_sequence_ids
 from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
 from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
@@ -230,6 +230,7 @@ class QExit:
 class _Packing:
     """Which tokens one depth runs: per batch row `rows`, the active tokens gathered to the left (stable order) and
     right-padded to the widest row. `order` holds each slot's original time index, `real` whether it is a token.
+    Training objectives use the flat variant (`flat_of`): one row of every row's active tokens, no padding slots.
 
     One-token calls (decoding) take `one_per_row`: every slot is a token (depth 1 runs every row, padding included,
     and the padding rows' outputs are masked afterwards), so listing the tokens needs no host sync."""
@@ -240,6 +241,11 @@ class _Packing:
     identity: bool = False  # depth 1: every position of every row, in place
     one_per_row: bool = False  # Tj = 1 and every slot is listed as a token
     rows_host: list | None = None  # one-token packs: `rows` as a host list (None: every row)
+    flat_width: int = 0  # > 0: flat (varlen) layout, one row (1, N) of every row's tokens; `order` = b·T + t, T = this
+
+    @property
+    def flat(self) -> bool:
+        return self.flat_width > 0
 
     @classmethod
     def everything(cls, valid: torch.Tensor) -> _Packing:
@@ -247,11 +253,23 @@ class _Packing:
         return cls(None, torch.arange(T, device=valid.device).expand(B, T), valid, identity=True, one_per_row=T == 1)
 
     @classmethod
-    def placeholder(cls, batch_size: int, device) -> _Packing:
+    def placeholder(cls, batch_size: int, device, flat_width: int = 0) -> _Packing:
         """One padding slot: lets a rank with no active token still run a depth that other ranks run (sharded
         training needs every rank to call the same modules the same number of times)."""
         zero = torch.zeros(1, 1, dtype=torch.long, device=device)
-        return cls(torch.zeros(1, dtype=torch.long, device=device), zero, torch.zeros(1, 1, dtype=torch.bool, device=device))
+        rows = None if flat_width else torch.zeros(1, dtype=torch.long, device=device)
+        return cls(rows, zero, torch.zeros(1, 1, dtype=torch.bool, device=device), flat_width=flat_width)
+
+    @classmethod
+    def flat_of(cls, active: torch.Tensor) -> _Packing | None:
+        """Flat (varlen) packing: every row's active tokens in one row (1, N), row-major, no per-row right padding
+        (a per-row packing pays for the widest row in every row). Rows are kept apart by the mask, which gives every
+        (row, document) its own sequence id (`flat_sequence_ids`)."""
+        order = active.reshape(-1).nonzero().squeeze(1)
+        if order.numel() == 0:
+            return None
+        real = torch.ones(1, order.numel(), dtype=torch.bool, device=active.device)
+        return cls(None, order[None], real, flat_width=active.shape[1])
 
     @classmethod
     def of_rows(cls, rows: torch.Tensor, rows_host: list, batch_size: int) -> _Packing | None:
@@ -281,6 +299,8 @@ class _Packing:
         """(B, T, ...) → (Bj, Tj, ...) for this depth's slots."""
         if self.identity:
             return t
+        if self.flat:
+            return t.flatten(0, 1).index_select(0, self.order[0]).unsqueeze(0)
         t = t if self.rows is None else t.index_select(0, self.rows)
         index = self.order.view(*self.order.shape, *([1] * (t.dim() - 2))).expand(*self.order.shape, *t.shape[2:])
         return torch.gather(t, 1, index)
@@ -301,6 +321,9 @@ class _Packing:
             zero = torch.zeros_like(slot)
             return (slot if self.rows is None else self.rows), zero, (slot, zero)
         sel = self.real.nonzero(as_tuple=True)
+        if self.flat:
+            flat = self.order[sel]
+            return flat // self.flat_width, flat % self.flat_width, sel
         rows = torch.arange(Bj, device=self.order.device) if self.rows is None else self.rows
         return rows[sel[0]], self.order[sel], sel
 
@@ -807,6 +830,10 @@ class TaH2Model(TaH2PreTrainedModel):
 
 
 class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: continuous-depth decoding
+    # Layout of the deeper depths of a training objective: "auto" = flat (varlen, `_Packing.flat_of`) where it costs
+    # fewer FLOPs than per-row padding (`_flat_is_cheaper`), "flat", or "per_row". The same values up to float rounding
+    # (tests compare the two).
+    deeper_packing = "auto"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
@@ -891,7 +918,10 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
         backbone = self.model
         B = x.shape[0]
         q_pos, q_index = pack.gather(position_ids), pack.gather(token_index)
-        q_seq = pack.gather(seq_ids) if seq_ids is not None else None
+        if pack.flat:  # one flat row: every (row, document) is its own sequence
+            q_seq = pack.gather(flat_sequence_ids(seq_ids, B, position_ids.shape[1], x.device))
+        else:
+            q_seq = pack.gather(seq_ids) if seq_ids is not None else None
         cont = pack.gather(key_continue) & pack.real if key_continue is not None else None
         streams.add_entries(
             stream,
@@ -908,13 +938,13 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             key_streams, mask = [0], stream0_mask
         else:
             key_streams = [stream] if mode == "same_iter" else list(range(stream + 1))
-            keys = streams.key_metadata(key_streams, pack.rows)
+            keys = streams.key_metadata(key_streams, pack.rows, flat=pack.flat)
             visible = iteration_visibility(mode, q_pos, stream, keys["pos"], keys["iter"], keys["valid"],
                                            key_continue=keys["cont"], query_seq=q_seq, key_seq=keys["seq"])
             mask = iteration_mask(visible, self.config, x.dtype)
         x_j = pack.gather(x)
         view = StreamView(streams, stream, key_streams, pack.rows, B, copy_previous=copy_previous,
-                          real=None if pack.one_per_row else pack.real)
+                          real=None if pack.one_per_row else pack.real, flat=pack.flat)
         pos_emb = backbone.rotary_emb(x_j, q_pos)
         return backbone.norm(backbone.run_layers(x_j, mask, q_pos, pos_emb, view, collect))
 
@@ -982,12 +1012,17 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             (self.training or return_loop_records) and torch.distributed.is_available()
             and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         )
+        streams = CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal"),
+                              batch_size=B)
+        # Training objectives (no cache, several tokens per row) may pack the deeper depths flat (no per-row padding);
+        # None = eligible, decided at the first deeper depth (`_advance`).
+        eligible = (self.deeper_packing != "per_row" and cache is None and T > 1 and cfg.decider != "exit_gate"
+                    and (self.training or return_loop_records))
+        streams.flat = None if eligible else False
         return _LoopSetup(
             max_iterations=M, exit_threshold=tau, embeds=embeds, valid=valid, attention_mask=attention_mask,
             position_ids=position_ids, seq_ids=seq_ids, token_index=(torch.arange(T, device=device) + past).expand(B, T),
-            cache=cache, past=past,
-            streams=CallStreams(cache, cfg.num_hidden_layers, persist_deeper=(cfg.iteration_attention != "causal"),
-                                batch_size=B),
+            cache=cache, past=past, streams=streams,
             targets=targets, keep=keep, kept_slot=kept_slot,
             all_kept=isinstance(logits_to_keep, int) and (logits_to_keep == 0 or logits_to_keep >= T),
             full_logits=labels is None or return_mixture_logits or M == 1, synchronise=synchronise,
@@ -1065,7 +1100,26 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
         if rows_host is not None:
             return x, _Packing.of_rows(cb, rows_host, B)
         active = torch.zeros(B, T, dtype=torch.bool, device=x.device).index_put((cb, ct), torch.ones_like(cb, dtype=torch.bool))
-        return x, _Packing.of(active)
+        if run.streams.flat is None:  # one layout for every deeper stream of the call
+            run.streams.flat = self.deeper_packing == "flat" or self._flat_is_cheaper(active)
+        return x, (_Packing.flat_of(active) if run.streams.flat else _Packing.of(active))
+
+    def _flat_is_cheaper(self, active: torch.Tensor) -> bool:
+        """Does the flat packing of `active` (B, T) cost fewer backbone FLOPs than the per-row one? Flat runs only the
+        N active tokens through the linear layers, but under a dense mask each query also scores the other rows' keys
+        (B·T + N of them instead of T + width); flex's BlockMask skips those blocks, so flex always packs flat."""
+        if self.config._attn_implementation == "flex_attention":
+            return True
+        cfg = self.config
+        counts = active.sum(1).tolist()
+        B, T = active.shape
+        n, width, rows = sum(counts), max(counts, default=0), sum(1 for c in counts if c)
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        linear = 2 * cfg.hidden_size * (hd * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads)
+                                        + 3 * cfg.intermediate_size)  # FLOPs per token per layer
+        pair = 4 * cfg.num_attention_heads * hd  # FLOPs per (query, key) pair per layer
+        per_row = rows * width * (linear + pair * (T + width))
+        return n * (linear + pair * (B * T + n)) <= per_row
 
     def _accumulate(self, run: _LoopSetup, step: DepthStep, mixture: StoppingWeightedMixture, recorder) -> None:
         """Add depth m to the mixture (the kept positions' distributions and/or log q[y]) and to the loop records.
@@ -1223,7 +1277,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             x, pack = self._advance(run, step, x, pack)
             if not _any_on_any_rank(pack is not None, run.synchronise):
                 break
-            pack = pack or _Packing.placeholder(B, device)
+            pack = pack or _Packing.placeholder(B, device, T if run.streams.flat else 0)
         iter_counts = trace.iter_counts * run.valid  # one-token calls list padding rows at depth 1
         run.streams.commit(iter_counts)
 
@@ -1274,16 +1328,18 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             reuse = reuse_main and ran_next
             queries = active & ~continued if reuse else active
             base = records.token_logprob[m].clone() if reuse else torch.zeros(B, T, device=device)
-            pack = _Packing.of(queries)
+            flat = bool(records.streams.flat)  # the layout of the main forward's deeper streams
+            pack = _Packing.flat_of(queries) if flat else _Packing.of(queries)
             if not _any_on_any_rank(pack is not None, synchronise):
                 out.append(base)
                 continue
-            pack = pack or _Packing.placeholder(B, device)
+            pack = pack or _Packing.placeholder(B, device, T if flat else 0)
             fb, ft, sel = pack.flat_tokens()
             e, h = records.embeds[fb, ft], records.hidden[m - 1][fb, ft]
             z_prev = self.lm_head(h) if self.config.updater == "topk_embedding" else None
             x = torch.zeros_like(records.embeds).index_put((fb, ft), self._next_input(e, h, z_prev).to(e.dtype))
             look = CallStreams(None, self.config.num_hidden_layers, persist_deeper=True)
+            look.flat = flat
             shared = list(range(m + 1)) if reuse else list(range(m))
             look.share_streams(records.streams, shared)
             h_look = self._run_depth(look, len(shared), x, pack, records.position_ids, token_index, records.seq_ids,
