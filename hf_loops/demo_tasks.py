@@ -1,4 +1,6 @@
-"""`hf-loops demo --task arithmetic`: Standard vs TaH2 vs TaH2-fixed over seeds on the seeded arithmetic task.
+"""The demo's runs: the training helpers both tasks share (`DEMO_TRAINING`, `float32_base`, `train_one`; `hf_loops.demo`
+imports them, so this module never imports the demo) and `hf-loops demo --task arithmetic`: Standard vs TaH2 vs
+TaH2-fixed over seeds on the seeded arithmetic task.
 
 The claim tested (the paper's): a learned decider that gives extra depth only to the tokens that need it matches or
 beats fixed-depth models at a fraction of the extra cost. On this task only the result digits of a calculator step
@@ -18,7 +20,87 @@ import statistics
 import time
 
 from .data import arithmetic as A
-from .evaluation import evaluate, load_examples, output_dir, write_pictures
+from .evaluation import TRAIN_SUMMARY, evaluate, load_examples, output_dir, write_pictures
+
+# ---------------------------------------------------------------- the run helpers both demo tasks share
+
+# The settings both runs share (TaH2SFTConfig fields). Sized so the whole demo fits in 5 minutes on 2 CPU cores.
+DEMO_TRAINING = {
+    "max_steps": 30,
+    "learning_rate": 1e-3,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 2,
+    "per_device_train_batch_size": 8,
+    "max_length": 384,
+    "weight_decay": 0.01,
+    "use_cpu": True,
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "dataloader_num_workers": 0,
+    # α_D (TaH2 only; inert for Standard, which has no decider). The paper's 0.05 collapses the decider at this scale:
+    # the fresh updater's depth-2 predictions are poor at first, the NTP gradient through the mixture pushes every g
+    # below τ within two steps (measured: mean depth 1.000 from step 3 on, never recovering), and with no token
+    # continuing the updater gets no NTP gradient to improve. 1.0 lets the lookahead labels hold the decider up.
+    "decider_loss_weight": 1.0,
+}
+def float32_base(base: str, dest: str) -> str:
+    """Copy the Qwen3 base (a directory or Hub id, any stored dtype) to `dest` in float32 with its tokenizer: both
+    runs post-train fp32 weights on the CPU (the embedded base is stored in bfloat16 to keep the package small)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluation import looks_like_path
+
+    if looks_like_path(base) and not os.path.isdir(base):
+        raise ValueError(f"--base {base!r}: no such directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load --base {base!r}: {str(err).splitlines()[0]}") from None
+    if model.config.model_type != "qwen3":
+        raise ValueError(f"--base must be a Qwen3(-Base) checkpoint, got model_type {model.config.model_type!r}")
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def train_one(base: str, arch: str, train_file: str, out: str, settings: dict, seed: int,
+              max_iterations: int | None = None) -> dict:
+    """Post-train one run with `hf_loops.training.train_tah2.train` (what `hf-loops train` runs); write and return
+    its training summary."""
+    from .training.train_tah2 import train
+
+    t0 = time.perf_counter()
+    # a looped preset takes the demo's M; the Standard preset is one pass (M = 1)
+    model = {"max_iterations": max_iterations} if arch != "standard" and max_iterations is not None else None
+    trainer = train(base, train_file, out, arch, model=model, trainer={**settings, "seed": seed})
+    wall = time.perf_counter() - t0
+    history = [dict(h) for h in trainer.state.log_history]
+    final = next((h for h in reversed(history) if "train_runtime" in h), {})
+    steps_logged = [h for h in history if "loss" in h]
+    acc = [h["decider_acc@1"] for h in steps_logged if "decider_acc@1" in h]
+    tail = max(1, len(acc) // 5)
+    summary = {
+        "arch": arch,
+        "steps": trainer.state.global_step,
+        "train_runtime": final.get("train_runtime"),
+        "wall_seconds": wall,
+        "settings": {**settings, "seed": seed},
+        "final_ntp_loss": (steps_logged[-1].get("ntp_loss", steps_logged[-1].get("loss")) if steps_logged else None),
+        "decider_acc": sum(acc[-tail:]) / tail if acc else None,
+        "decider_acc_window": tail if acc else 0,
+        "log_history": [{k: v for k, v in h.items() if isinstance(v, (int, float, str))} for h in history],
+    }
+    with open(os.path.join(out, TRAIN_SUMMARY), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+# ---------------------------------------------------------------- the arithmetic task
 
 ARCHS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"), ("tah2-fixed", "TaH2-fixed (M=2)"))
 SEEDS = (0, 1, 2)
@@ -26,7 +108,7 @@ SIZES = {"n_train": 2000, "n_validation": 40, "n_heldout": 40}
 DATA_SEED = 0
 MAX_NEW_TOKENS = 80
 
-# Shared by every run (TaH2SFTConfig fields); on top of the GSM8K demo's settings (`hf_loops.demo.DEMO_TRAINING`).
+# Shared by every run (TaH2SFTConfig fields); on top of the GSM8K demo's settings (`DEMO_TRAINING`).
 # Chosen on the validation split (examples/arithmetic_sweep.py); departures from the paper are listed in the report.
 ARITHMETIC_TRAINING = {
     "max_steps": 60,
@@ -174,7 +256,6 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
     """Train and evaluate every arch × seed; write `out/` (report.md, runs.json, em_vs_flops.png,
     deep_share_by_class.png, depth_map.html/.png and loss_curves.png of the first seed, data/)."""
     from . import data
-    from .demo import DEMO_TRAINING, float32_base, train_one
     from .evaluation import markdown_table
 
     t_start = time.perf_counter()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .configuration_tah2 import ITERATION_ATTENTION_MODES
 from .loop_utils import ensure_cache_slots
 
 __all__ = ["TaH2Cache", "CallStreams", "StreamView", "RaggedLayout", "flat_sequence_ids"]
@@ -643,3 +644,59 @@ class StreamView:
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=-2)
         return k, v
+
+
+VISIBILITY_MODES = ITERATION_ATTENTION_MODES + ("duo_posterior",)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Visibility predicates (spec §2.5)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def iteration_visibility(
+    mode: str,
+    query_pos: torch.Tensor,
+    query_iter: int | torch.Tensor,
+    key_pos: torch.Tensor,
+    key_iter: torch.Tensor,
+    key_valid: torch.Tensor,
+    key_continue: torch.Tensor | None = None,
+    query_seq: torch.Tensor | None = None,
+    key_seq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which keys each query may attend to, as a (B, Tq, S) bool tensor.
+
+    Queries carry their RoPE position and stream index d (0-based depth); keys carry position, stream index, validity
+    (real token, not padding), and for `duo_posterior` whether the key token really executed the next depth.
+
+    | mode          | visible(k, q)                                                    |
+    | causal        | pos_k ≤ pos_q ∧ (iter_k = 0 ∨ (pos_k = pos_q ∧ iter_k ≤ d))      |
+    | duo           | pos_k ≤ pos_q ∧ iter_k ≤ d                                       |
+    | duo_posterior | pos_k ≤ pos_q ∧ (iter_k < d ∨ continue_k ∨ pos_k = pos_q)        |
+    | same_iter     | pos_k ≤ pos_q ∧ iter_k = d                                       |
+
+    Every mode also requires valid_k, iter_k ≤ d, and (packed batches) seq_k = seq_q.
+    """
+    if mode not in VISIBILITY_MODES:
+        raise ValueError(f"iteration attention mode must be one of {list(VISIBILITY_MODES)}, got {mode!r}")
+    qp = query_pos[:, :, None]
+    kp = key_pos[:, None, :]
+    ki = key_iter[:, None, :] if key_iter.dim() == 2 else key_iter.view(1, 1, -1)
+    d = query_iter[:, :, None] if torch.is_tensor(query_iter) else query_iter
+    earlier_or_same = kp <= qp
+    own = kp == qp
+    if mode == "causal":
+        visible = (ki == 0) | (own & (ki <= d))
+    elif mode == "duo":
+        visible = ki <= d
+    elif mode == "same_iter":
+        visible = ki == d
+    else:
+        if key_continue is None:
+            raise ValueError("duo_posterior visibility needs key_continue (did the key token execute the next depth)")
+        visible = (ki < d) | key_continue[:, None, :] | own
+    visible = visible & earlier_or_same & (ki <= d) & key_valid[:, None, :]
+    if query_seq is not None and key_seq is not None:
+        visible = visible & (query_seq[:, :, None] == key_seq[:, None, :])
+    return visible

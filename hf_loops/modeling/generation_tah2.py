@@ -35,7 +35,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .cache_tah2 import RaggedLayout
+from .cache_tah2 import RaggedLayout, iteration_visibility
 from .loop_utils import iteration_mask
 
 __all__ = ["TaH2GenerationMixin", "continuous_depth_unsupported"]
@@ -158,8 +158,6 @@ class _StepKV:
 
     def visibility(self, mode: str, q_pos: torch.Tensor, q_stream: torch.Tensor) -> torch.Tensor:
         """(B, 1, S) which entries each row's query may attend to."""
-        from .modeling_tah2 import iteration_visibility
-
         n = self.length
         return iteration_visibility(mode, q_pos[:, None], q_stream[:, None], self.pos[:, :n], self.iter[:, :n],
                                     self.valid[:, :n])

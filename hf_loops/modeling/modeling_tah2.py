@@ -32,8 +32,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .cache_tah2 import CallStreams, StreamView, TaH2Cache, flat_sequence_ids
-from .configuration_tah2 import ITERATION_ATTENTION_MODES, TaH2Config
+from .cache_tah2 import CallStreams, StreamView, TaH2Cache, flat_sequence_ids, iteration_visibility
+from .configuration_tah2 import TaH2Config
 from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
     LayerCollector,
@@ -45,62 +45,6 @@ from .loop_utils import (
     positions_from_mask,
     sequence_ids_from_positions,
 )
-
-VISIBILITY_MODES = ITERATION_ATTENTION_MODES + ("duo_posterior",)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Visibility predicates (spec §2.5)
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def iteration_visibility(
-    mode: str,
-    query_pos: torch.Tensor,
-    query_iter: int | torch.Tensor,
-    key_pos: torch.Tensor,
-    key_iter: torch.Tensor,
-    key_valid: torch.Tensor,
-    key_continue: torch.Tensor | None = None,
-    query_seq: torch.Tensor | None = None,
-    key_seq: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Which keys each query may attend to, as a (B, Tq, S) bool tensor.
-
-    Queries carry their RoPE position and stream index d (0-based depth); keys carry position, stream index, validity
-    (real token, not padding), and for `duo_posterior` whether the key token really executed the next depth.
-
-    | mode          | visible(k, q)                                                    |
-    | causal        | pos_k ≤ pos_q ∧ (iter_k = 0 ∨ (pos_k = pos_q ∧ iter_k ≤ d))      |
-    | duo           | pos_k ≤ pos_q ∧ iter_k ≤ d                                       |
-    | duo_posterior | pos_k ≤ pos_q ∧ (iter_k < d ∨ continue_k ∨ pos_k = pos_q)        |
-    | same_iter     | pos_k ≤ pos_q ∧ iter_k = d                                       |
-
-    Every mode also requires valid_k, iter_k ≤ d, and (packed batches) seq_k = seq_q.
-    """
-    if mode not in VISIBILITY_MODES:
-        raise ValueError(f"iteration attention mode must be one of {list(VISIBILITY_MODES)}, got {mode!r}")
-    qp = query_pos[:, :, None]
-    kp = key_pos[:, None, :]
-    ki = key_iter[:, None, :] if key_iter.dim() == 2 else key_iter.view(1, 1, -1)
-    d = query_iter[:, :, None] if torch.is_tensor(query_iter) else query_iter
-    earlier_or_same = kp <= qp
-    own = kp == qp
-    if mode == "causal":
-        visible = (ki == 0) | (own & (ki <= d))
-    elif mode == "duo":
-        visible = ki <= d
-    elif mode == "same_iter":
-        visible = ki == d
-    else:
-        if key_continue is None:
-            raise ValueError("duo_posterior visibility needs key_continue (did the key token execute the next depth)")
-        visible = (ki < d) | key_continue[:, None, :] | own
-    visible = visible & earlier_or_same & (ki <= d) & key_valid[:, None, :]
-    if query_seq is not None and key_seq is not None:
-        visible = visible & (query_seq[:, :, None] == key_seq[:, None, :])
-    return visible
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Updater (Eq. 9) and decider (Eq. 10)
