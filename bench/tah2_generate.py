@@ -95,11 +95,11 @@ def _rows_for_batch(size: Size, ctx: Ctx, models: dict, batch: int) -> list[Row]
     prompt = min(PROMPT, ctx.workload.prompt)
     new = ctx.workload.new
     ids = random_ids(size.vocab, batch, prompt, ctx.device, seed=batch)
-    runs = {"standard": ("standard", {}), "continuous": ("tah2", {}), "lockstep": ("tah2", {"continuous_depth": False})}
+    runs = {"standard": ("standard", {}), "continuous": ("tah2", {"continuous_depth": True}), "lockstep": ("tah2", {"continuous_depth": False})}
     tau = None
     if batch == 1 and ctx.wants("tah2-gen-depth1.2-b1"):
         tau = calibrate_tau(models["tah2"], ids, new)
-        runs["continuous-tau"] = ("tah2", {"exit_threshold": tau})
+        runs["continuous-tau"] = ("tah2", {"exit_threshold": tau, "continuous_depth": True})
         runs["lockstep-tau"] = ("tah2", {"exit_threshold": tau, "continuous_depth": False})
     repeats = ctx.workload.repeats if batch < 32 else max(1, ctx.workload.repeats - 1)
     r = measure(models, ids, ctx, new, runs, repeats)

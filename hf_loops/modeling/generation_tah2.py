@@ -62,6 +62,10 @@ def continuous_depth_unsupported(model, generation_config, model_kwargs, logits_
     switch = getattr(model, "_tah2_continuous_depth", None)
     if switch is False or (switch is None and not getattr(model, "continuous_depth_decoding", True)):
         return "switched off (continuous_depth=False)"
+    sampled = generation_config.do_sample or cfg.decision_mode == "sample"
+    if switch is None and sampled and batch_size > 1:
+        # rows draw at different steps, so a seed would give other tokens than lockstep (and use_cache=False) does
+        return "sampling at batch > 1 keeps lockstep's draws for a given seed (continuous_depth=True opts in)"
     M, _ = model._loop_knobs(model_kwargs.get("max_iterations"), model_kwargs.get("exit_threshold"))
     if M == 1:
         return "max_iterations = 1 (nothing to interleave)"
@@ -444,8 +448,9 @@ class TaH2GenerationMixin(GenerationMixin):
     right for any processor that treats rows independently, as HF's own do (custom ones must too, or use
     `continuous_depth=False`). After a continuous-depth call, `model._last_decode_depths` holds per row the executed
     depth of every decoded input token (the lockstep path reports them through the returned cache). With
-    `do_sample=True` (or `decision_mode="sample"`) at batch > 1 the random draws differ
-    from lockstep's, whose rows draw together; the distributions are the same, and at batch 1 so are the draws.
+    `do_sample=True` (or `decision_mode="sample"`) at batch > 1 the random draws would differ from lockstep's, whose
+    rows draw together (the distributions are the same; at batch 1 so are the draws), so such calls stay on lockstep
+    unless `continuous_depth=True` asks for continuous depth: a seed then gives the same tokens with and without cache.
     """
 
     continuous_depth_decoding = True

@@ -47,6 +47,9 @@ def _lockstep(model, ids, mask, **kw):
 
 @torch.no_grad()
 def _continuous(model, ids, mask, **kw):
+    # sampled calls at batch > 1 stay on lockstep unless asked (a seed keeps lockstep's draws); greedy ones need not ask
+    if kw.get("do_sample") and ids.shape[0] > 1:
+        kw.setdefault("continuous_depth", True)
     seq = model.generate(ids, attention_mask=mask, **kw)
     assert model._last_decode_mode == "continuous_depth"
     return seq, model._last_decode_depths
@@ -309,3 +312,20 @@ def test_kv_buffer_grows_past_its_first_reserve():
     kw = dict(max_new_tokens=140, do_sample=False, pad_token_id=0)
     seq, depths = _assert_same_as_lockstep(model, ids, mask, None, **kw)
     assert model._last_decode_steps == 2 * 139 > 256
+
+
+def test_sampling_at_batch_above_one_stays_on_lockstep_unless_asked():
+    """Rows draw at different steps under continuous depth, so by default a sampled batch keeps lockstep's draws: the
+    same seed gives the same tokens with and without cache. `continuous_depth=True` opts in."""
+    model = _model(2, 3, "duo", "learned")
+    ids, mask = _left_padded([5, 3], seed=4)
+    kw = dict(max_new_tokens=6, do_sample=True, temperature=0.9, pad_token_id=0)
+    torch.manual_seed(3)
+    cached = model.generate(ids, attention_mask=mask, **kw)
+    assert model._last_decode_mode == "lockstep"
+    torch.manual_seed(3)
+    assert torch.equal(cached, model.generate(ids, attention_mask=mask, use_cache=False, **kw))
+    model.generate(ids, attention_mask=mask, continuous_depth=True, **kw)
+    assert model._last_decode_mode == "continuous_depth"
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert model._last_decode_mode == "continuous_depth"
