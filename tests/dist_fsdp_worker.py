@@ -55,8 +55,6 @@ class Recording(TaH2SFTTrainer):
 
 
 def main(mode, out):
-    # A rank waiting on a collective its peer never issues would hang the suite: dump the stacks and exit instead.
-    faulthandler.dump_traceback_later(float(os.environ.get("HF_DIST_WATCHDOG_S", "300")), exit=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     common = dict(output_dir=os.path.join(out, "run"), use_cpu=True, bf16=False, report_to="none", seed=0,
                   max_steps=1, learning_rate=1e-3, per_device_train_batch_size=ROWS // world,
@@ -148,5 +146,9 @@ def sharded_loader(trainer, world):
 
 
 if __name__ == "__main__":
+    # A rank waiting on a collective its peer never issues would hang the suite: dump the stacks and exit instead.
+    # Armed here, in the launched ranks only: the one-process reference calls `main` inside pytest, where an armed
+    # watchdog would end the whole test session 300 s later.
+    faulthandler.dump_traceback_later(float(os.environ.get("HF_DIST_WATCHDOG_S", "300")), exit=True)
     for mode in sys.argv[1].split(","):  # "eval,fsdp": evaluation first (DDP), then the FSDP2 step
         main(mode, sys.argv[2])
