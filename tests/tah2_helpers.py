@@ -46,3 +46,15 @@ def min_margin(model, ids, **kw):
     g = g[~torch.isnan(g)]
     tau = kw.get("exit_threshold", model.config.exit_threshold)
     return float((g - tau).abs().min()) if g.numel() else 1.0
+
+
+def left_padded_batch(lengths, seed, low=3, high=97):
+    """Random ids (in [low, high)) for rows of the given lengths, left-padded with 0, and their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(low, high, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask

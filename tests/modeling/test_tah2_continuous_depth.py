@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from sync_helpers import spy_syncs
-from tah2_helpers import pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
+from tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -23,17 +23,6 @@ def _model(seed, M, mode, decider, **kw):
     model = tiny_tah2(seed=seed, max_iterations=M, iteration_attention=mode, **kw)
     model.generation_config.eos_token_id = None  # each test says which EOS it decodes with
     return model if DECIDERS[decider] is None else script_decider(model, DECIDERS[decider])
-
-
-def _left_padded(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 97, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
 
 
 @torch.no_grad()
@@ -93,7 +82,7 @@ def _sweep_cases(n):
                          f"{'x'.join(map(str, c['lengths']))}-n{c['new']}{'-eos' if c['eos'] else ''}")
 def test_greedy_equals_lockstep_and_rows_alone(case):
     model = _model(case["seed"] % 7, case["M"], case["mode"], case["decider"])
-    ids, mask = _left_padded(case["lengths"], seed=case["seed"])
+    ids, mask = left_padded_batch(case["lengths"], seed=case["seed"])
     kw = dict(max_new_tokens=case["new"], do_sample=False, pad_token_id=0)
     eos = None
     if case["eos"]:  # an EOS that some row emits mid-way: that row stops and gets padding, the others go on
@@ -114,7 +103,7 @@ def test_greedy_equals_lockstep_and_rows_alone(case):
 def test_depths_really_mix_and_steps_are_fewer_than_lockstep_passes():
     """A pattern where rows disagree: the loop runs fewer passes than lockstep's (one per depth that any row runs)."""
     model = _model(1, 3, "duo", "by-hidden")
-    ids, mask = _left_padded([6, 6, 4, 5], seed=11)
+    ids, mask = left_padded_batch([6, 6, 4, 5], seed=11)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     seq, depths = _assert_same_as_lockstep(model, ids, mask, None, **kw)
     flat = [d for row in depths for d in row]
@@ -133,7 +122,7 @@ def test_depths_really_mix_and_steps_are_fewer_than_lockstep_passes():
 ])
 def test_logits_processors_and_return_sequences_equal_lockstep(extra):
     model = _model(2, 3, "duo", "by-sign")
-    ids, mask = _left_padded([5, 3], seed=4)
+    ids, mask = left_padded_batch([5, 3], seed=4)
     kw = dict(max_new_tokens=9, pad_token_id=0, **({"do_sample": False} | extra))
     torch.manual_seed(0)
     seq, depths = _assert_same_as_lockstep(model, ids, mask, 1, **kw)
@@ -156,7 +145,7 @@ def test_custom_stopping_criteria_with_and_without_eos(eos):
     """Without EOS criteria lockstep keeps generating real tokens for stopped rows until every row stops; with them
     stopped rows get padding. Both behaviours are reproduced."""
     model = _model(3, 2, "duo", "by-hidden")
-    ids, mask = _left_padded([4, 6, 2, 5], seed=8)
+    ids, mask = left_padded_batch([4, 6, 2, 5], seed=8)
     kw = dict(max_new_tokens=15, do_sample=False, pad_token_id=0,
               stopping_criteria=StoppingCriteriaList([_StopOnMultipleOf(5)]))
     seq, _ = _assert_same_as_lockstep(model, ids, mask, eos, strict=False, **kw)
@@ -170,7 +159,7 @@ def test_sampling_draws_from_the_mixture_of_the_teacher_forced_forward(mode, mon
     from hf_loops.modeling import generation_tah2
 
     model = _model(4, 3, mode, "by-hidden")
-    ids, mask = _left_padded([5, 5, 3], seed=9)
+    ids, mask = left_padded_batch([5, 5, 3], seed=9)
     drawn = []  # (rows, the scores they were drawn from), in the loop's order; a row's k-th draw is its token k + 1
     original = generation_tah2._Stopping.scores
 
@@ -200,7 +189,7 @@ def test_sampling_draws_from_the_mixture_of_the_teacher_forced_forward(mode, mon
 def test_sampling_at_batch_one_equals_lockstep_with_the_same_seed():
     """One row draws one token per call in both loops, so the same seed gives the same tokens."""
     model = _model(5, 3, "duo", "learned")
-    ids, mask = _left_padded([6], seed=10)
+    ids, mask = left_padded_batch([6], seed=10)
     kw = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, pad_token_id=0)
     torch.manual_seed(7)
     seq, depths = _continuous(model, ids, mask, **kw)
@@ -223,7 +212,7 @@ class _Collect(BaseStreamer):
 
 def test_streamer_batch_one_streams_the_same_tokens():
     model = _model(6, 2, "duo", "by-hidden")
-    ids, mask = _left_padded([5], seed=12)
+    ids, mask = left_padded_batch([5], seed=12)
     a, b = _Collect(), _Collect()
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, streamer=a)
@@ -235,7 +224,7 @@ def test_streamer_batch_one_streams_the_same_tokens():
 def test_eager_attention_and_even_mixture():
     model = _model(0, 3, "duo", "by-hidden", mixture="even")
     model.config._attn_implementation = "eager"
-    ids, mask = _left_padded([4, 7, 2], seed=13)
+    ids, mask = left_padded_batch([4, 7, 2], seed=13)
     _assert_same_as_lockstep(model, ids, mask, None, max_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
@@ -243,7 +232,7 @@ def test_eager_attention_and_even_mixture():
 def test_one_host_read_per_step(monkeypatch, M):
     """hf_loops code reads the device once per step (the continue and stop flags together), beyond the prefill."""
     model = _model(1, M, "duo", "by-hidden")
-    ids, mask = _left_padded([6, 3, 6], seed=14)
+    ids, mask = left_padded_batch([6, 3, 6], seed=14)
     syncs, loop_syncs = [], []
     spy_syncs(monkeypatch, syncs.append, only_from="hf_loops")
     with torch.no_grad():
@@ -264,7 +253,7 @@ def test_one_host_read_per_step(monkeypatch, M):
 
 def test_lockstep_paths_and_the_switch():
     model = _model(2, 2, "duo", "by-sign")
-    ids, mask = _left_padded([4, 4], seed=15)
+    ids, mask = left_padded_batch([4, 4], seed=15)
     kw = dict(attention_mask=mask, max_new_tokens=4, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids, num_beams=2, do_sample=False, **kw)
@@ -289,13 +278,13 @@ def test_lockstep_paths_and_the_switch():
 def test_updater_and_mixture_variants(variant):
     mode = variant.pop("iteration_attention", "duo")
     model = _model(3, 3, mode, "by-hidden", **variant)
-    ids, mask = _left_padded([5, 2, 4], seed=16)
+    ids, mask = left_padded_batch([5, 2, 4], seed=16)
     _assert_same_as_lockstep(model, ids, mask, None, max_new_tokens=7, do_sample=False, pad_token_id=0)
 
 
 def test_per_call_loop_knobs_and_inputs_embeds():
     model = _model(4, 4, "duo", "learned")
-    ids, mask = _left_padded([6, 4], seed=17)
+    ids, mask = left_padded_batch([6, 4], seed=17)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     _assert_same_as_lockstep(model, ids, mask, None, max_iterations=3, exit_threshold=0.3, **kw)
     with torch.no_grad():
@@ -308,7 +297,7 @@ def test_per_call_loop_knobs_and_inputs_embeds():
 
 def test_kv_buffer_grows_past_its_first_reserve():
     model = _model(5, 2, "duo", "all-continue")
-    ids, mask = _left_padded([3], seed=18)
+    ids, mask = left_padded_batch([3], seed=18)
     kw = dict(max_new_tokens=140, do_sample=False, pad_token_id=0)
     seq, depths = _assert_same_as_lockstep(model, ids, mask, None, **kw)
     assert model._last_decode_steps == 2 * 139 > 256
@@ -318,7 +307,7 @@ def test_sampling_at_batch_above_one_stays_on_lockstep_unless_asked():
     """Rows draw at different steps under continuous depth, so by default a sampled batch keeps lockstep's draws: the
     same seed gives the same tokens with and without cache. `continuous_depth=True` opts in."""
     model = _model(2, 3, "duo", "learned")
-    ids, mask = _left_padded([5, 3], seed=4)
+    ids, mask = left_padded_batch([5, 3], seed=4)
     kw = dict(max_new_tokens=6, do_sample=True, temperature=0.9, pad_token_id=0)
     torch.manual_seed(3)
     cached = model.generate(ids, attention_mask=mask, **kw)

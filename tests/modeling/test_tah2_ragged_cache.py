@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from sync_helpers import spy_syncs
-from tah2_helpers import pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
+from tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
 
 from hf_loops.modeling.cache_tah2 import TaH2Cache
 
@@ -17,17 +17,6 @@ def _constant(p):
 
 DECIDERS = {"all-stop": _constant(0.1), "all-continue": _constant(0.9), "by-sign": pattern_by_sign,
             "by-hidden": pattern_by_hidden}
-
-
-def _left_padded(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 97, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
 
 
 @torch.no_grad()
@@ -57,7 +46,7 @@ def _kv_bytes_formula(model, depth_of_cached_tokens, batch, length):
 
 def test_kv_bytes_equal_the_formula_for_a_known_depth_pattern():
     model = script_decider(tiny_tah2(max_iterations=3), pattern_by_sign)
-    ids, mask = _left_padded([9, 4, 7], seed=1)
+    ids, mask = left_padded_batch([9, 4, 7], seed=1)
     _, depths, cache = _decode_teacher_forced(model, ids, mask, prefill=5)
     depths = depths * mask  # padding never runs
     assert cache.kv_bytes() == _kv_bytes_formula(model, depths, 3, 9)
@@ -69,7 +58,7 @@ def test_kv_bytes_equal_the_formula_for_a_known_depth_pattern():
 
 def test_padded_layout_stores_placeholders_that_the_ragged_one_does_not(monkeypatch):
     model = script_decider(tiny_tah2(max_iterations=2), pattern_by_hidden)
-    ids, mask = _left_padded([10, 10, 10, 10], seed=2)
+    ids, mask = left_padded_batch([10, 10, 10, 10], seed=2)
     _, depths, ragged = _decode_teacher_forced(model, ids, mask, prefill=3)
     ragged_bytes = ragged.kv_bytes()
     _padded_layout(monkeypatch)
@@ -96,7 +85,7 @@ def _sweep_cases(n):
 def test_ragged_cache_equals_full_forward_and_padded_layout(case, monkeypatch):
     model = script_decider(tiny_tah2(seed=case["seed"] % 7, max_iterations=case["M"], iteration_attention=case["mode"]),
                            DECIDERS[case["decider"]])
-    ids, mask = _left_padded(case["lengths"], seed=case["seed"])
+    ids, mask = left_padded_batch(case["lengths"], seed=case["seed"])
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False)
     logits, depths, cache = _decode_teacher_forced(model, ids, mask, case["prefill"])
@@ -115,7 +104,7 @@ def test_ragged_cache_equals_full_forward_and_padded_layout(case, monkeypatch):
 @pytest.mark.parametrize("decider", ["by-sign", "by-hidden"])
 def test_beam_search_and_return_sequences_move_ragged_streams(decider):
     model = script_decider(tiny_tah2(max_iterations=3), DECIDERS[decider])
-    ids, mask = _left_padded([6, 3], seed=3)
+    ids, mask = left_padded_batch([6, 3], seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=0)
     with torch.no_grad():
         for extra in (dict(num_beams=3, do_sample=False), dict(num_beams=2, num_return_sequences=2, do_sample=False)):
@@ -126,7 +115,7 @@ def test_beam_search_and_return_sequences_move_ragged_streams(decider):
 
 def test_select_rows_and_crop_keep_each_rows_entries():
     model = script_decider(tiny_tah2(max_iterations=2), pattern_by_hidden)
-    ids, mask = _left_padded([8, 5, 8], seed=4)
+    ids, mask = left_padded_batch([8, 5, 8], seed=4)
     _, _, cache = _decode_teacher_forced(model, ids, mask, prefill=8)
     before = cache.stream_metadata(1)
     keys = cache.layers[cache.kv_slot(1, 1)].keys
@@ -151,7 +140,7 @@ def test_decode_step_reads_the_device_once_per_depth_boundary(monkeypatch, M):
     in a decode step: exactly one `tolist` of the continue decisions per depth boundary that runs (HF's own mask
     builder, shared with Standard, is not counted)."""
     model = script_decider(tiny_tah2(max_iterations=M), pattern_by_hidden)
-    ids, mask = _left_padded([9, 6, 11, 11], seed=5)
+    ids, mask = left_padded_batch([9, 6, 11, 11], seed=5)
     with torch.no_grad():
         cache = model(ids, attention_mask=mask, use_cache=True).cache
     syncs = []
