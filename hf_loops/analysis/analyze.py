@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from ..conversion.registry import ARCHITECTURES
 from ..core.numbers import check_int
 from ..core.outdir import atomic_output_dir, check_output_dir
 from ..core.readers import read_json, read_jsonl, read_text_lines
@@ -304,6 +305,8 @@ class _Accumulator:
     def __init__(self, model, metrics, recurrences, max_length):
         self.model, self.metrics = model, metrics
         self.model_type = model.config.model_type
+        spec = ARCHITECTURES.get(self.model_type)
+        self.cross_iteration = spec is not None and spec.cross_iteration_attention
         self.record = ("residual", "attention") if "attention" in metrics else ("residual",)
         self.recurrences, self.max_length = recurrences, max_length
         self.step_meta, self.att_mean, self.res_mean = {}, _Mean(), _Mean()
@@ -341,7 +344,7 @@ class _Accumulator:
                 self.att_mean.add((key, stat), v)
                 if stat in ("key_marginal_entropy", "local_attention_mass") and s.stage == "loop":
                     self.head_values[(stat, key)].append(v)
-            if self.model_type == "tah2" and s.recurrence == self.R and s.attention.key_iter is not None:
+            if self.cross_iteration and s.recurrence == self.R and s.attention.key_iter is not None:
                 mean, _ = am.cross_iteration_mass(A, s.attention.key_iter, num_streams=self.R, **s.attention.masks())
                 self.cross_iter.append((s.layer, mean))
 
@@ -492,8 +495,6 @@ def _residual_figures(acc: _Accumulator, save: _Figures, groupings, result) -> N
 
 def _reports_depth(config) -> bool:
     """Whether the architecture decides a depth per token (the registry's `reports_depth`: TaH2)."""
-    from ..conversion.registry import ARCHITECTURES
-
     spec = ARCHITECTURES.get(getattr(config, "model_type", ""))
     return bool(spec is not None and spec.reports_depth)
 
