@@ -43,7 +43,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -59,6 +59,7 @@ from .loop_utils import (
     LoopCacheView,
     additive_mask,
     block_mask,
+    check_attn_implementation,
     ensure_cache_slots,
     plain_attention_mask,
     positions_from_mask,
@@ -360,16 +361,11 @@ class _CoreCacheView:
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 
-def check_attn_implementation(impl) -> None:
-    """eager / sdpa / flex_attention, or a custom function registered with `AttentionInterface` (it receives the
-    float additive masks, e.g. hf_loops.analysis's recording functions); flash and paged kernels are refused."""
-    if impl is None or str(impl).startswith(("flash_attention", "paged")) or (
-            impl not in _ATTN_IMPLEMENTATIONS and impl not in ALL_ATTENTION_FUNCTIONS.valid_keys()):
-        raise ValueError(
-            f"SpiralFormer supports attn_implementation in {list(_ATTN_IMPLEMENTATIONS)}, got {impl!r}: its chunk "
-            "latents and left-padded rows need explicit masks (float masks for eager/sdpa, a BlockMask for "
-            "flex_attention); flash-attention kernels are not enabled for SpiralFormer (see SpiralFormerPreTrainedModel)"
-        )
+def _check_attn(impl) -> None:
+    check_attn_implementation(impl, "SpiralFormer", _ATTN_IMPLEMENTATIONS,
+                              reason="its chunk latents and left-padded rows need explicit masks (float masks for "
+                                     "eager/sdpa, a BlockMask for flex_attention); flash-attention kernels are not "
+                                     "enabled for SpiralFormer")
 
 
 def build_mask(impl: str, mask_mod, batch: int | None, q_len: int, kv_len: int, device, dtype):
@@ -417,7 +413,7 @@ class SpiralFormerPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
     def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
-        check_attn_implementation(f"flash_attention_{flash_attn_version}")  # raises: names the supported values
+        _check_attn(f"flash_attention_{flash_attn_version}")  # raises: names the supported values
         return False
 
     def _init_weights(self, module):
@@ -845,7 +841,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         `output_attentions` is refused for that reason."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        check_attn_implementation(self.config._attn_implementation)
+        _check_attn(self.config._attn_implementation)
         if output_attentions if output_attentions is not None else self.config.output_attentions:
             raise ValueError("output_attentions is not supported by SpiralFormer: its loops attend over compressed "
                              "latents of varying length; use hf_loops.analysis.capture_trace for attention maps")

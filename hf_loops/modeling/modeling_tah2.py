@@ -38,6 +38,7 @@ from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
+    check_loop_knobs,
     explicit_mask_backend,
     flex_cpu_guard,
     iteration_mask,
@@ -896,12 +897,9 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     def _loop_knobs(self, max_iterations, exit_threshold) -> tuple[int, float]:
         """M and τ of this call (per-call overrides validated like the config fields)."""
         cfg = self.config
+        check_loop_knobs(max_iterations, exit_threshold)
         M = cfg.max_iterations if max_iterations is None else max_iterations
-        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-            raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
-        tau = cfg.exit_threshold if exit_threshold is None else float(exit_threshold)
-        if not 0.0 < tau < 1.0:
-            raise ValueError(f"exit_threshold must be in the open interval (0, 1), got {exit_threshold!r}")
+        tau = float(cfg.exit_threshold if exit_threshold is None else exit_threshold)
         if M > 1 and cfg.updater == "learned" and self.updater is None:
             raise ValueError("this checkpoint has no learned updater; max_iterations must be 1")
         return M, tau
