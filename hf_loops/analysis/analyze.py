@@ -423,13 +423,19 @@ class _Figures:
         return table
 
 
+def _per_step_figures(acc: _Accumulator, save: _Figures, groupings, means: _Mean, stats: dict, prefix: str,
+                      where: str) -> None:
+    """One figure per statistic and grouping of its per-step means (`prefix` + stat + grouping names the file)."""
+    for stat, desc in stats.items():
+        rows = acc.table_of(means.get, stat)
+        for g in groupings if rows else ():
+            save(save.plots.plot_metric(rows, g, ylabel=stat), f"{prefix}{stat}_{g}", f"{desc} {where}, grouping '{g}'")
+
+
 def _attention_figures(acc: _Accumulator, save: _Figures, groupings, result, findings) -> None:
     plots = save.plots
-    for stat, desc in ATTENTION_STATS.items():
-        rows = acc.table_of(acc.att_mean.get, stat)
-        for g in groupings if rows else ():
-            save(plots.plot_metric(rows, g, ylabel=stat), f"{stat}_{g}",
-                 f"{desc} per realised step, mean over heads and sequences, grouping '{g}'")
+    _per_step_figures(acc, save, groupings, acc.att_mean, ATTENTION_STATS, "",
+                      "per realised step, mean over heads and sequences")
     _coarse_to_fine(result, findings, save, plots, acc.step_meta, acc.head_values, acc.keys)
     if acc.att_succ.keys():
         rows = [{"step": t, "stage": "loop", "recurrence": t, "layer": ell, "value": v}
@@ -467,11 +473,7 @@ def _cross_iteration_figure(acc: _Accumulator, save: _Figures, result) -> None:
 
 def _residual_figures(acc: _Accumulator, save: _Figures, groupings, result) -> None:
     plots = save.plots
-    for stat, desc in RESIDUAL_STATS.items():
-        rows = acc.table_of(acc.res_mean.get, stat)
-        for g in groupings if rows else ():
-            save(plots.plot_metric(rows, g, ylabel=stat), f"residual_{stat}_{g}",
-                 f"{desc} after every realised step, grouping '{g}'")
+    _per_step_figures(acc, save, groupings, acc.res_mean, RESIDUAL_STATS, "residual_", "after every realised step")
     if acc.succ.keys():
         result["successive_difference"] = {}
         for kind in ("l2", "relative", "cosine"):
