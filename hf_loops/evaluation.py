@@ -10,7 +10,7 @@ Per model it measures, on the same examples:
 - for models that report per-token depth (TaH2): mean and histogram of the depth that produced every answer token,
   continue rate per iteration, mean depth per token class, the decider's accuracy against lookahead labels, and the
   mean depth of the generated tokens;
-- decode FLOPs per generated token from the architecture's FLOPs accounting (tah2.md §7 for TaH2 and Qwen3) and
+- decode FLOPs per generated token from the architecture's FLOPs accounting (`hf_loops.core.flops_*`; the paper's App. A.4 for TaH2 and Qwen3) and
   measured tokens/s.
 
 Batched with left padding; a batch gives the numbers of a per-row loop (tests check it). Outputs (JSON, markdown,

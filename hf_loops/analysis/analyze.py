@@ -1,5 +1,5 @@
 """`hf-loops analyze CHECKPOINT`: run the analysis toolkit on a checkpoint and write figures, metrics.json and a short
-report.md (analysis.md §7 defaults: the 100 GSM8K test questions, recurrences as trained plus a 128-recurrence
+report.md (defaults, docs/analysis.md: the 100 GSM8K test questions, recurrences as trained plus a 128-recurrence
 fixed-point pass where the architecture can run it).
 
 The output directory is written atomically (temporary sibling, renamed into place); a non-empty --out is refused
@@ -551,7 +551,7 @@ def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_
 
 
 def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys):
-    """H_km and LAM per loop t, over all heads and over the 40% most dynamic (layer, head) pairs ([S] §4)."""
+    """H_km and LAM per loop t, over all heads and over the 40% most dynamic (layer, head) pairs (SpiralFormer's dynamic heads)."""
     loop_keys = [k for k in keys if step_meta[k]["stage"] == "loop"]
     ts = sorted({step_meta[k]["recurrence"] for k in loop_keys})
     layers = sorted({step_meta[k]["layer"] for k in loop_keys})
@@ -589,7 +589,7 @@ def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
     save(plots.plot_loop_curves(panels, "coarse-to-fine: attention scope per loop" if multires else
                                 "attention scope per loop", xlabels), stem,
          "key-marginal entropy (normalised) and local attention mass per loop t, all heads and the 40% most dynamic "
-         "heads (SpiralFormer §4)")
+         "heads (SpiralFormer paper)")
     hkm = summary["key_marginal_entropy"]["dynamic_heads"]
     lam = summary["local_attention_mass"]["dynamic_heads"]
     summary["resolutions"] = resolutions
@@ -620,7 +620,7 @@ def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
 def _fixed_points(model, encoded, t_fp, device, progress, result, findings, save, plots, with_attention=False,
                   max_length=512):
     """Run T_fp recurrences (residuals only): distance/cosine to X*, the degenerate-vs-cyclic score and the
-    limiting-behaviour classification ([M] §3.2–3.7)."""
+    limiting-behaviour classification (fixed point, cycle or drift)."""
     err = recurrence_support_error(model, t_fp)
     if err is not None:
         findings["fixed_point"] = {"verdict": "not measured", "text": f"Fixed points not measured: {err}"}

@@ -1,4 +1,4 @@
-"""Per-token depth maps (spec: analysis.md §5.1, the paper's Fig. 11): every token shaded by the depth that produced
+"""Per-token depth maps (the paper's Fig. 11; docs/analysis.md): every token shaded by the depth that produced
 it, as HTML (hover shows depth and continue probabilities), PNG and ANSI; span means; mean depth per token class.
 
 Convention (same as `hf_loops.inference.generate_with_depths`): token t is coloured by the depth the model spent to

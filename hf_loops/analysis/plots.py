@@ -1,4 +1,4 @@
-"""Figures (analysis.md §4). matplotlib is an optional extra: `pip install "hf_loops[plot]"`.
+"""Figures (docs/analysis.md). matplotlib is an optional extra: `pip install "hf_loops[plot]"`.
 
 Every per-step metric is a tidy table: a list of dicts with `step` (realised depth index), `stage`, `recurrence`,
 `layer` and `value`. `plot_metric` draws it three ways:
@@ -155,7 +155,7 @@ def plot_bars(names: list[str], values: list[float], errors: list[float] | None 
 
 
 def plot_decider_gain(rows: list[dict]):
-    """§5.2 mean gain of a second iteration per g⁽¹⁾ bin, with the token count."""
+    """mean gain of a second iteration per g⁽¹⁾ bin, with the token count."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     xs = [(r["g_lo"] + r["g_hi"]) / 2 for r in rows if r["mean_gain"] is not None]
@@ -171,7 +171,7 @@ def plot_decider_gain(rows: list[dict]):
 
 
 def plot_loss_change_histogram(delta, fractions: dict, bins: int = 50):
-    """§5.3 histogram of Δ = ℓ(1) − ℓ(M) under forced depth, with the three fractions."""
+    """histogram of Δ = ℓ(1) − ℓ(M) under forced depth, with the three fractions."""
     plt = _plt()
     d = [float(x) for x in delta]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
@@ -185,7 +185,7 @@ def plot_loss_change_histogram(delta, fractions: dict, bins: int = 50):
 
 
 def plot_scaling(table: list[dict], fit=None, label: str = "model"):
-    """§6 accuracy vs log2 FLOPs per cutoff with the OLS line."""
+    """accuracy vs log2 FLOPs per cutoff with the OLS line."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     xs = [math.log2(r["flops"]) for r in table]

@@ -1,4 +1,4 @@
-"""Accuracy vs log2(decoding FLOPs): slope fitting, matched-compute interpolation and cons@n (analysis.md §6).
+"""Accuracy vs log2(decoding FLOPs): slope fitting, matched-compute interpolation and cons@n (docs/analysis.md).
 
 Recorded responses are dicts with `tokens` (generated ids), `depths` (the depth the model ran when each generated
 token was fed back, i.e. the cache's `token_depth` of that position), optionally `prompt_streams` (streams kept per
@@ -64,7 +64,7 @@ def interpolate_accuracy(flops: Sequence[float], acc: Sequence[float], query: fl
 
 
 def tah2_response_flops(config, response: dict, cutoff: int) -> float:
-    """Decoding FLOPs of one response cut at `cutoff` tokens (tah2.md §7 functions)."""
+    """Decoding FLOPs of one response cut at `cutoff` tokens (`hf_loops.core.flops_tah2`)."""
     n = min(cutoff, len(response["tokens"]))
     depths = list(response["depths"])[: max(n - 1, 0)]
     return decode_flops_tah2(config, depths, list(response.get("prompt_streams", [])),

@@ -1,4 +1,4 @@
-"""FLOPs accounting for SGT and the Block Loop baseline (spec: shared/specs/sgt.md §8).
+"""FLOPs accounting for SGT and the Block Loop baseline (docs/sgt.md).
 
 Per token, forward pass, OLMo convention: a matmul of an m×n weight costs 2·m·n; attention over T keys costs 4·T·d per
 layer (scores + weighted sum). Training ≈ 3 × forward for numerator and denominator, so every overhead ratio below is

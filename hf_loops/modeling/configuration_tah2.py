@@ -1,4 +1,4 @@
-"""TaH2 configuration: Qwen3 plus the loop knobs (spec: shared/specs/tah2.md §6).
+"""TaH2 configuration: Qwen3 plus the loop knobs (docs/tah2.md, "Configuration").
 
 A `TaH2Config` is a `Qwen3Config` with a new `model_type`, so a Qwen3 checkpoint's weights keep their names and a
 conversion is a key-preserving load plus fresh updater/decider modules.

@@ -1,4 +1,4 @@
-"""SGT (Sparse Growing Transformer) on a Qwen3 backbone (spec: shared/specs/sgt.md).
+"""SGT (Sparse Growing Transformer) on a Qwen3 backbone (docs/sgt.md).
 
 In a looped layer l only the attention sub-layer is re-applied, K_l extra times, and only for the kept heads S_l:
 
@@ -71,7 +71,7 @@ from .loop_utils import (
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Entropy statistic (§3)
+# Entropy statistic: how SGT ranks heads for looping
 # ----------------------------------------------------------------------------------------------------------------------
 
 

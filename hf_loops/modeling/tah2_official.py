@@ -1,4 +1,4 @@
-"""Loading and writing a TaH2 checkpoint in the authors' layout (spec: shared/specs/tah2.md §8).
+"""Loading and writing a TaH2 checkpoint in the authors' layout (docs/conversion.md).
 
 The official layout is a plain Qwen3 checkpoint (`config.json` with model_type "qwen3" + weights) plus
 `tah_config.json` (the loop settings) and two `torch.save` dicts, `iter_decider.bin` and `input_updater.bin`, each
