@@ -583,7 +583,7 @@ def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
         summary[stat] = {"all_heads": all_heads, "dynamic_heads": dyn["curve"].tolist(),
                          "dynamic_mask": dyn["mask"].int().tolist()}
     resolutions = [next(step_meta[k]["resolution"] for k in loop_keys if step_meta[k]["recurrence"] == t) for t in ts]
-    xlabels = [f"t{t}\nr={r:g}" for t, r in zip(ts, resolutions, strict=False)]
+    xlabels = [f"t{t}\nr={r:g}" for t, r in zip(ts, resolutions, strict=True)]
     multires = len(set(resolutions)) > 1
     stem = "coarse_to_fine" if multires else "loop_attention_scope"
     save(plots.plot_loop_curves(panels, "coarse-to-fine: attention scope per loop" if multires else

@@ -74,7 +74,7 @@ def plot_metric(table: list[dict], grouping: str = "none", ylabel: str = "value"
         passes = sorted({r["recurrence"] for r in rows if r["stage"] == "loop"})
         pre = [r for r in rows if r["stage"] == "pre"]
         post = [r for r in rows if r["stage"] == "post"]
-        for color, t in zip(_colors("summer", len(passes)), passes, strict=False):
+        for color, t in zip(_colors("summer", len(passes)), passes, strict=True):
             seq = pre + [r for r in rows if r["stage"] == "loop" and r["recurrence"] == t] + post
             xs = [100.0 * k / max(len(seq) - 1, 1) for k in range(len(seq))]
             ax.plot(xs, [r["value"] for r in seq], marker="o", ms=3, color=color, label=f"t={t}")
@@ -83,7 +83,7 @@ def plot_metric(table: list[dict], grouping: str = "none", ylabel: str = "value"
             ax.legend(fontsize=7, ncol=max(1, len(passes) // 8))
     else:
         layers = sorted({r["layer"] for r in rows if r["stage"] == "loop"})
-        for color, ell in zip(_colors("winter", len(layers)), layers, strict=False):
+        for color, ell in zip(_colors("winter", len(layers)), layers, strict=True):
             seq = sorted((r for r in rows if r["stage"] == "loop" and r["layer"] == ell), key=lambda r: r["recurrence"])
             ax.plot([r["recurrence"] for r in seq], [r["value"] for r in seq], marker="o", ms=3, color=color,
                     label=f"layer {ell}")
@@ -104,12 +104,12 @@ def plot_loop_curves(panels: dict[str, dict[str, list[float]]], title: str = "pe
     names = list(panels)
     fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.6), squeeze=False)
     table = []
-    for ax, name in zip(axes[0], names, strict=False):
+    for ax, name in zip(axes[0], names, strict=True):
         lines = panels[name]
-        for color, (label, ys) in zip(("tab:green", "tab:orange", "tab:blue", "tab:red"), lines.items(), strict=False):
+        for color, (label, ys) in zip(("tab:green", "tab:orange", "tab:blue", "tab:red"), lines.items(), strict=False):  # at most 4 lines
             xs = list(range(1, len(ys) + 1))
             ax.plot(xs, ys, marker="o", color=color, label=label)
-            table += [{"metric": name, "heads": label, "loop": x, "value": y} for x, y in zip(xs, ys, strict=False)]
+            table += [{"metric": name, "heads": label, "loop": x, "value": y} for x, y in zip(xs, ys, strict=True)]
             ax.set_xticks(xs)
             if xlabels:
                 ax.set_xticklabels(xlabels, fontsize=8)
@@ -150,7 +150,7 @@ def plot_bars(names: list[str], values: list[float], errors: list[float] | None 
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     table = [{"name": n, "value": v, "error": (errors[i] if errors else None)} for i, (n, v) in
-             enumerate(zip(names, values, strict=False))]
+             enumerate(zip(names, values, strict=True))]
     return fig, table
 
 

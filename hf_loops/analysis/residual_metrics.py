@@ -81,7 +81,7 @@ def residual_similarity_matrix(residuals: list, valid: list | None = None, per_t
                 out[a, b] = _token_mean(_cos(Xa, Xb), masks[a] & masks[b])
         return out
     means = []
-    for X, v in zip(residuals, masks, strict=False):
+    for X, v in zip(residuals, masks, strict=True):
         w = v.float()[..., None]
         means.append((X.float() * w).sum(1) / w.sum(1).clamp_min(1))  # (B, D)
     for a in range(n):

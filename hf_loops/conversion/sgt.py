@@ -196,6 +196,6 @@ def sgt_one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
         finally:
             model.config.block_loop_layers = block
     finally:
-        for layer, (depth, gates) in zip(layers, saved, strict=False):
+        for layer, (depth, gates) in zip(layers, saved, strict=True):
             if depth:
                 layer.set_loop([h for h, g in enumerate(gates) if g > 0], depth, gates)

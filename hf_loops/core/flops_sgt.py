@@ -48,7 +48,7 @@ def sgt_overhead(loops: Iterable[tuple[int, int]], *, d_model: int, head_dim: in
     loops = list(loops)
     kvs = [None] * len(loops) if num_kv_heads is None else list(num_kv_heads)
     extra = sum(depth * loop_flops_per_token(d_model, head_dim, heads, seq_len, kv)
-                for (heads, depth), kv in zip(loops, kvs, strict=False))
+                for (heads, depth), kv in zip(loops, kvs, strict=True))
     return extra / model_flops_per_token(num_params, num_layers, d_model, seq_len)
 
 

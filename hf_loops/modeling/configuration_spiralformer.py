@@ -8,6 +8,7 @@ grows `cache.layers` to that size itself.
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
@@ -101,7 +102,7 @@ class SpiralFormerConfig(Qwen3Config):
                 raise ValueError(
                     f"SpiralFormerConfig.chunk_sizes must contain integers >= 1 only, got {self.chunk_sizes!r}"
                 )
-        if any(a < b for a, b in zip(self.chunk_sizes, self.chunk_sizes[1:], strict=False)):
+        if any(a < b for a, b in itertools.pairwise(self.chunk_sizes)):
             raise ValueError(
                 "SpiralFormerConfig.chunk_sizes must run coarse → fine (non-increasing, e.g. [8, 4, 2, 1]), "
                 f"got {self.chunk_sizes!r}"

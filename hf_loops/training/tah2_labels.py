@@ -34,7 +34,7 @@ def gather_variable(values: torch.Tensor) -> torch.Tensor:
     padded[: values.numel()] = values
     gathered = [torch.zeros_like(padded) for _ in counts]
     dist.all_gather(gathered, padded)
-    return torch.cat([g[: int(c)] for g, c in zip(gathered, counts, strict=False)])
+    return torch.cat([g[: int(c)] for g, c in zip(gathered, counts, strict=True)])
 
 
 def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def decider_bce_sum(decider_logits: list, labels: DepthLabels, margin: float = 0
     """Σ_m Σ_t w(m) · BCE(g(m), c(m)) with positive weight β(m), fp32 (Eq. 26); `margin` shifts the logit ∓."""
     total = None
     for _m, (logit, c, w, terms, beta) in enumerate(
-        zip(decider_logits, labels.continue_labels, labels.weights, labels.bce_mask, labels.beta, strict=False)
+        zip(decider_logits, labels.continue_labels, labels.weights, labels.bce_mask, labels.beta, strict=True)
     ):
         target = c.float()
         shifted = logit.float() - margin * (2 * target - 1)

@@ -275,7 +275,7 @@ class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
         if self.accelerator.num_processes > 1:
             pairs = self.accelerator.reduce(pairs, reduction="sum")  # one collective for every metric
         sums = self._tah2_sums[mode]
-        for key, (num, den) in zip(keys, pairs.tolist(), strict=False):
+        for key, (num, den) in zip(keys, pairs.tolist(), strict=True):
             if key.startswith(("delta_cut@", "beta@")):  # per-batch values: mean over ranks and micro-batches
                 num, den = num / self.accelerator.num_processes, den / self.accelerator.num_processes
             old = sums.get(key, (0.0, 0.0))
