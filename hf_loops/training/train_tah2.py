@@ -18,6 +18,7 @@ import re
 import sys
 
 from ..core.errors import DEBUG_HINT  # noqa: F401  (one hint for every command)
+from ..core.loading import check_tokenizer_fits
 from ..modeling.configuration_tah2 import TAH2_PRESETS
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -578,8 +579,7 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     # `seed` covers everything drawn before the Trainer seeds itself: the new modules' initialisation above all.
     set_seed(config.seed)
     model = build_model(args.base, overrides, args.dtype, seed=config.seed)
-    if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model.config.vocab_size}")
+    check_tokenizer_fits(tokenizer, model.config.vocab_size)
     if args.overwrite_output_dir and os.path.isdir(args.output_dir) and args.resume_from_checkpoint is None:
         clear_output_dir(args.output_dir)  # only now: bad input above leaves the directory as it was
     sizes = {"train": len(dataset)} | ({"eval": len(eval_dataset)} if eval_dataset is not None else {})
