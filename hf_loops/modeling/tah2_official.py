@@ -309,6 +309,14 @@ def _component(path: str, file: str, tah: dict, key: str, classes: dict, weightl
     return cls, bin_args, tah_args, dict(comp["state_dict"])
 
 
+def _projection_and_gate(state: dict, file: str, projection: str):
+    """The two weights a learned component's shapes are read from: its input projection and its MLP's gate."""
+    proj, gate = state.get(projection), state.get("mlp.gate_proj.weight")
+    if proj is None or gate is None:
+        raise ValueError(f"{file}: state_dict lacks {projection} / mlp.gate_proj.weight")
+    return proj, gate
+
+
 def _decider_threshold(kw: dict, tah_args: dict, bin_args: dict, buffer) -> None:
     """τ as the authors' loader takes it: tah_config.json's `iter_decider_kwargs.threshold` when given (their loader
     then skips the `.bin`'s buffer), else the buffer, else the `.bin`'s init_args."""
@@ -343,10 +351,7 @@ def _decider_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) 
         kw["max_iterations"] = int(cap)
     if kw["decider"] == "learned":
         _check_built_as_ours("iter_decider", args)
-        proj = dec_state.get("input_proj.weight")
-        gate = dec_state.get("mlp.gate_proj.weight")
-        if proj is None or gate is None:
-            raise ValueError(f"{DECIDER_FILE}: state_dict lacks input_proj.weight / mlp.gate_proj.weight")
+        proj, gate = _projection_and_gate(dec_state, DECIDER_FILE, "input_proj.weight")
         if proj.shape[0] != d or proj.shape[1] <= 2 * d:
             raise ValueError(
                 f"{DECIDER_FILE}: input_proj.weight has shape {tuple(proj.shape)}, expected ({d}, 2·{d} + k) for "
@@ -380,10 +385,7 @@ def _updater_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) 
     kw["updater"] = UPDATER_CLASSES[upd_cls]
     if kw["updater"] == "learned":
         _check_built_as_ours("input_updater", args)
-        proj = upd_state.get("projection.weight")
-        gate = upd_state.get("mlp.gate_proj.weight")
-        if proj is None or gate is None:
-            raise ValueError(f"{UPDATER_FILE}: state_dict lacks projection.weight / mlp.gate_proj.weight")
+        proj, gate = _projection_and_gate(upd_state, UPDATER_FILE, "projection.weight")
         if tuple(proj.shape) != (d, 2 * d):
             raise ValueError(
                 f"{UPDATER_FILE}: projection.weight has shape {tuple(proj.shape)}, expected ({d}, {2 * d}) for "
