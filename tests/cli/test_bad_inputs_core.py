@@ -7,8 +7,9 @@ Where each case of the issue is tested ("case X" = `test_bad_input[X]` in this f
 BAD (a traceback, a silently wrong result, or lost data)
  1 checkpoint interrupted by SIGKILL while saving    tests/training/test_atomic_checkpoints.py::test_kill_during_a_save_
                                                      then_resume_gives_the_uninterrupted_weights
- 2 ... by SIGTERM (its default action ends the       the same test (a staging folder, never a partial checkpoint-N),
-   process as SIGKILL does: no cleanup runs)          and ::test_resume_true_skips_incomplete_checkpoints_and_names_them
+ 2 ... by SIGTERM                                   tests/cli/test_faults.py::test_train_sigterm_during_a_checkpoint_
+                                                     loses_only_that_checkpoint_and_resumes; test_atomic_checkpoints.py::
+                                                     test_resume_true_skips_incomplete_checkpoints_and_names_them
  3 full disk during a checkpoint                     tests/cli/test_faults.py::test_train_full_disk_during_a_checkpoint_
                                                      loses_only_that_checkpoint
  4 two `train` runs into one new output directory    test_atomic_checkpoints.py::test_a_second_run_into_the_same_
