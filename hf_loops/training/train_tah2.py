@@ -407,15 +407,10 @@ def check_output_dir(path: str, overwrite: bool, resume: str | None) -> None:
 
 
 def clear_output_dir(path: str) -> None:
-    """Empty `path` (the directory itself stays: it may be `.` or a mount point)."""
-    import shutil
+    """Empty `path` (the directory itself stays: it may be `.` or a mount point; its lock stays too)."""
+    from ..core.outdir import clear_dir
 
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full)
-        else:
-            os.remove(full)
+    clear_dir(path)
     print(f"note: cleared --output-dir {path!r} (--overwrite-output-dir)", file=sys.stderr)
 
 
