@@ -126,7 +126,7 @@ def cmd_generate(args) -> int:
                          f"model's max_position_embeddings ({limit})")
     trace = generate_with_depths(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id, **kw)
     if args.show_depth and trace.depths is not None:
-        for t, d in zip(trace.tokens, trace.depths, strict=False):
+        for t, d in zip(trace.tokens, trace.depths, strict=True):
             print(f"{d}  {tok.decode([t])!r}")
     elif args.show_depth:
         print(f"note: a {model.config.model_type!r} model does not report per-token depth", file=sys.stderr)

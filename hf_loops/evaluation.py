@@ -10,7 +10,7 @@ Per model it measures, on the same examples:
 - for models that report per-token depth (TaH2): mean and histogram of the depth that produced every answer token,
   continue rate per iteration, mean depth per token class, the decider's accuracy against lookahead labels, and the
   mean depth of the generated tokens;
-- decode FLOPs per generated token from the architecture's FLOPs accounting (tah2.md §7 for TaH2 and Qwen3) and
+- decode FLOPs per generated token from the architecture's FLOPs accounting (`hf_loops.core.flops_*`; the paper's App. A.4 for TaH2 and Qwen3) and
   measured tokens/s.
 
 Batched with left padding; a batch gives the numbers of a per-row loop (tests check it). Outputs (JSON, markdown,
@@ -455,14 +455,14 @@ def _run_batches(model, tokenizer, tokenized, batch_size, max_new_tokens, loop_k
     gen_time, gen_tokens = 0.0, 0
     with torch.no_grad():
         for b in _progress(batches, f"{label}: answer NLL", progress):
-            for k, row in zip(b, _teacher_forced(model, [tokenized[k] for k in b], pad_id, loop_kw), strict=False):
+            for k, row in zip(b, _teacher_forced(model, [tokenized[k] for k in b], pad_id, loop_kw), strict=True):
                 records[k].update(row)
         for b in _progress(batches, f"{label}: generate", progress):
             t0 = time.perf_counter()
             rows = _generate(model, tokenizer, [tokenized[k][0] for k in b], pad_id, stop_ids, max_new_tokens,
                              loop_kw, stop_strings)
             gen_time += time.perf_counter() - t0
-            for k, row in zip(b, rows, strict=False):
+            for k, row in zip(b, rows, strict=True):
                 gen_tokens += len(row["ids"])
                 records[k]["generated"] = row
     return records, gen_time, gen_tokens
@@ -485,7 +485,7 @@ def _example_items(model, tokenizer, examples, tokenized, records, rx, M) -> lis
     """One JSON record per example: the answer's NLL (and depths), the generation, its answer and decode FLOPs."""
     special = set(tokenizer.all_special_ids)
     items = []
-    for k, (ex, (_p, a), rec) in enumerate(zip(examples, tokenized, records, strict=False)):
+    for k, (ex, (_p, a), rec) in enumerate(zip(examples, tokenized, records, strict=True)):
         gen = rec["generated"]
         text = tokenizer.decode(gen["ids"], skip_special_tokens=True)
         pred, gold = extract_answer(text, rx), extract_answer(ex.reference, rx)
@@ -554,7 +554,7 @@ def depth_metrics(examples: Sequence[dict], max_iterations: int) -> dict:
         cont[str(m)] = sum(1 for d in ran if d > m) / len(ran) if ran else None
     stats = merge_class_stats([  # special tokens (end of turn) are not text: left out of the class means
         class_depth_stats(*zip(*[(t, d) for t, d, s in zip(e["answer_tokens"], e["answer_depths"],
-                                                               e["answer_special"], strict=False) if not s], strict=False))
+                                                               e["answer_special"], strict=True) if not s], strict=True))
         for e in examples if not all(e["answer_special"])
     ])
     return {
@@ -608,9 +608,9 @@ def markdown_table(headers, rows) -> str:
 
 def console_table(headers, rows) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=False))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) for r in rows]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(out)
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .modeling import loop_utils
+
 
 @dataclass
 class DepthTrace:
@@ -26,12 +28,7 @@ def check_loop_knobs(model, loop_kwargs: dict) -> None:
     for name, _value in loop_kwargs.items():
         if name not in accepted:
             raise ValueError(f"{name} is a knob of adaptive-depth models (TaH2); a {model_type!r} model has no {name}")
-    m = loop_kwargs.get("max_iterations")
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-        raise ValueError(f"max_iterations must be an integer >= 1, got {m!r}")
-    tau = loop_kwargs.get("exit_threshold")
-    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau < 1.0):
-        raise ValueError(f"exit_threshold must be in the open interval (0, 1), got {tau!r}")
+    loop_utils.check_loop_knobs(loop_kwargs.get("max_iterations"), loop_kwargs.get("exit_threshold"))
 
 
 def _depths(out) -> torch.Tensor | None:

@@ -1,5 +1,5 @@
 """`hf-loops analyze CHECKPOINT`: run the analysis toolkit on a checkpoint and write figures, metrics.json and a short
-report.md (analysis.md §7 defaults: the 100 GSM8K test questions, recurrences as trained plus a 128-recurrence
+report.md (defaults, docs/analysis.md: the 100 GSM8K test questions, recurrences as trained plus a 128-recurrence
 fixed-point pass where the architecture can run it).
 
 The output directory is written atomically (temporary sibling, renamed into place); a non-empty --out is refused
@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from ..conversion.registry import ARCHITECTURES
 from ..core.numbers import check_int
 from ..core.outdir import atomic_output_dir, check_output_dir
 from ..core.readers import read_json, read_jsonl, read_text_lines
@@ -304,6 +305,8 @@ class _Accumulator:
     def __init__(self, model, metrics, recurrences, max_length):
         self.model, self.metrics = model, metrics
         self.model_type = model.config.model_type
+        spec = ARCHITECTURES.get(self.model_type)
+        self.cross_iteration = spec is not None and spec.cross_iteration_attention
         self.record = ("residual", "attention") if "attention" in metrics else ("residual",)
         self.recurrences, self.max_length = recurrences, max_length
         self.step_meta, self.att_mean, self.res_mean = {}, _Mean(), _Mean()
@@ -341,7 +344,7 @@ class _Accumulator:
                 self.att_mean.add((key, stat), v)
                 if stat in ("key_marginal_entropy", "local_attention_mass") and s.stage == "loop":
                     self.head_values[(stat, key)].append(v)
-            if self.model_type == "tah2" and s.recurrence == self.R and s.attention.key_iter is not None:
+            if self.cross_iteration and s.recurrence == self.R and s.attention.key_iter is not None:
                 mean, _ = am.cross_iteration_mass(A, s.attention.key_iter, num_streams=self.R, **s.attention.masks())
                 self.cross_iter.append((s.layer, mean))
 
@@ -420,13 +423,19 @@ class _Figures:
         return table
 
 
+def _per_step_figures(acc: _Accumulator, save: _Figures, groupings, means: _Mean, stats: dict, prefix: str,
+                      where: str) -> None:
+    """One figure per statistic and grouping of its per-step means (`prefix` + stat + grouping names the file)."""
+    for stat, desc in stats.items():
+        rows = acc.table_of(means.get, stat)
+        for g in groupings if rows else ():
+            save(save.plots.plot_metric(rows, g, ylabel=stat), f"{prefix}{stat}_{g}", f"{desc} {where}, grouping '{g}'")
+
+
 def _attention_figures(acc: _Accumulator, save: _Figures, groupings, result, findings) -> None:
     plots = save.plots
-    for stat, desc in ATTENTION_STATS.items():
-        rows = acc.table_of(acc.att_mean.get, stat)
-        for g in groupings if rows else ():
-            save(plots.plot_metric(rows, g, ylabel=stat), f"{stat}_{g}",
-                 f"{desc} per realised step, mean over heads and sequences, grouping '{g}'")
+    _per_step_figures(acc, save, groupings, acc.att_mean, ATTENTION_STATS, "",
+                      "per realised step, mean over heads and sequences")
     _coarse_to_fine(result, findings, save, plots, acc.step_meta, acc.head_values, acc.keys)
     if acc.att_succ.keys():
         rows = [{"step": t, "stage": "loop", "recurrence": t, "layer": ell, "value": v}
@@ -464,11 +473,7 @@ def _cross_iteration_figure(acc: _Accumulator, save: _Figures, result) -> None:
 
 def _residual_figures(acc: _Accumulator, save: _Figures, groupings, result) -> None:
     plots = save.plots
-    for stat, desc in RESIDUAL_STATS.items():
-        rows = acc.table_of(acc.res_mean.get, stat)
-        for g in groupings if rows else ():
-            save(plots.plot_metric(rows, g, ylabel=stat), f"residual_{stat}_{g}",
-                 f"{desc} after every realised step, grouping '{g}'")
+    _per_step_figures(acc, save, groupings, acc.res_mean, RESIDUAL_STATS, "residual_", "after every realised step")
     if acc.succ.keys():
         result["successive_difference"] = {}
         for kind in ("l2", "relative", "cosine"):
@@ -492,8 +497,6 @@ def _residual_figures(acc: _Accumulator, save: _Figures, groupings, result) -> N
 
 def _reports_depth(config) -> bool:
     """Whether the architecture decides a depth per token (the registry's `reports_depth`: TaH2)."""
-    from ..conversion.registry import ARCHITECTURES
-
     spec = ARCHITECTURES.get(getattr(config, "model_type", ""))
     return bool(spec is not None and spec.reports_depth)
 
@@ -548,7 +551,7 @@ def _analyze_into(model, tokenizer, texts, out, recurrences, metrics, t_fp, max_
 
 
 def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys):
-    """H_km and LAM per loop t, over all heads and over the 40% most dynamic (layer, head) pairs ([S] §4)."""
+    """H_km and LAM per loop t, over all heads and over the 40% most dynamic (layer, head) pairs (SpiralFormer's dynamic heads)."""
     loop_keys = [k for k in keys if step_meta[k]["stage"] == "loop"]
     ts = sorted({step_meta[k]["recurrence"] for k in loop_keys})
     layers = sorted({step_meta[k]["layer"] for k in loop_keys})
@@ -580,13 +583,13 @@ def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
         summary[stat] = {"all_heads": all_heads, "dynamic_heads": dyn["curve"].tolist(),
                          "dynamic_mask": dyn["mask"].int().tolist()}
     resolutions = [next(step_meta[k]["resolution"] for k in loop_keys if step_meta[k]["recurrence"] == t) for t in ts]
-    xlabels = [f"t{t}\nr={r:g}" for t, r in zip(ts, resolutions, strict=False)]
+    xlabels = [f"t{t}\nr={r:g}" for t, r in zip(ts, resolutions, strict=True)]
     multires = len(set(resolutions)) > 1
     stem = "coarse_to_fine" if multires else "loop_attention_scope"
     save(plots.plot_loop_curves(panels, "coarse-to-fine: attention scope per loop" if multires else
                                 "attention scope per loop", xlabels), stem,
          "key-marginal entropy (normalised) and local attention mass per loop t, all heads and the 40% most dynamic "
-         "heads (SpiralFormer §4)")
+         "heads (SpiralFormer paper)")
     hkm = summary["key_marginal_entropy"]["dynamic_heads"]
     lam = summary["local_attention_mass"]["dynamic_heads"]
     summary["resolutions"] = resolutions
@@ -617,7 +620,7 @@ def _coarse_to_fine(result, findings, save, plots, step_meta, head_values, keys)
 def _fixed_points(model, encoded, t_fp, device, progress, result, findings, save, plots, with_attention=False,
                   max_length=512):
     """Run T_fp recurrences (residuals only): distance/cosine to X*, the degenerate-vs-cyclic score and the
-    limiting-behaviour classification ([M] §3.2–3.7)."""
+    limiting-behaviour classification (fixed point, cycle or drift)."""
     err = recurrence_support_error(model, t_fp)
     if err is not None:
         findings["fixed_point"] = {"verdict": "not measured", "text": f"Fixed points not measured: {err}"}

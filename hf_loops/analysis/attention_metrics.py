@@ -1,4 +1,4 @@
-"""Attention metrics (spec: analysis.md §2). Pure functions on float tensors, computed in fp32.
+"""Attention metrics (docs/analysis.md). Pure functions on float tensors, computed in fp32.
 
 Every function takes attention weights `A` of shape (B, H, Tq, Tk) — (H, Tq, Tk) and (Tq, Tk) are accepted too — and
 the optional validity masks of `AttentionRecord.masks()`:
@@ -64,7 +64,7 @@ def row_entropy(A, normalized: bool = False, **masks) -> torch.Tensor:
 
 
 def _selected_rows(rows_mode, rows: torch.Tensor) -> torch.Tensor:
-    """The query set Q as a (B, Tq) mask: all valid rows, the last valid row, or `m` rows (sgt.md §3.2: the last
+    """The query set Q as a (B, Tq) mask: all valid rows, the last valid row, or `m` rows (SGT's selection statistic: the last
     row plus m−1 rows spread evenly over the valid positions ≥ 64)."""
     if rows_mode == "all":
         return rows
@@ -86,15 +86,15 @@ def _selected_rows(rows_mode, rows: torch.Tensor) -> torch.Tensor:
 
 
 def attention_entropy(A, rows="all", normalized: bool = False, **masks) -> torch.Tensor:
-    """§2.1 head entropy (H,): mean row entropy over the query set, then over sequences. `rows="last"` is the SGT
-    statistic (the last valid row, normalised by log T when `normalized`); `rows=m` reads m rows (sgt.md §3.2)."""
+    """head entropy (H,): mean row entropy over the query set, then over sequences. `rows="last"` is the SGT
+    statistic (the last valid row, normalised by log T when `normalized`); `rows=m` reads m rows (SGT's statistic on m rows)."""
     h = row_entropy(A, normalized=normalized, **masks)
     _, rows_mask, _, _, _, _ = _prepare(A, **masks)
     return _mean_rows(h, _selected_rows(rows, rows_mask))
 
 
 def mixing_score(A, normalized: bool = False, **masks) -> torch.Tensor:
-    """§2.7 (1/T) Σ_i H(A_i,:) per head (raw row entropies; `normalized` uses H̃_i)."""
+    """(1/T) Σ_i H(A_i,:) per head (raw row entropies; `normalized` uses H̃_i)."""
     return attention_entropy(A, rows="all", normalized=normalized, **masks)
 
 
@@ -108,7 +108,7 @@ def key_marginal(A, query_mask=None, **masks) -> tuple[torch.Tensor, torch.Tenso
 
 
 def key_marginal_entropy(A, query_mask=None, normalized: bool = False, **masks) -> torch.Tensor:
-    """§2.2 H_km per head (H,); `normalized` divides by log L_t (L_t = valid keys of the sequence)."""
+    """H_km per head (H,); `normalized` divides by log L_t (L_t = valid keys of the sequence)."""
     p, has = key_marginal(A, query_mask, **masks)
     h = -_xlogx(p).sum(-1)  # (B, H)
     if normalized:
@@ -119,7 +119,7 @@ def key_marginal_entropy(A, query_mask=None, normalized: bool = False, **masks) 
 
 
 def colsum_concentration(A, **masks) -> torch.Tensor:
-    """§2.5 C = 1 − H_col per head (H,), H_col = −(1/log T) Σ_j ĉ_j log ĉ_j, ĉ_j = (Σ_i A_ij)/T over valid rows.
+    """C = 1 − H_col per head (H,), H_col = −(1/log T) Σ_j ĉ_j log ĉ_j, ĉ_j = (Σ_i A_ij)/T over valid rows.
     With Q = all rows and T keys, H_col = H_km / log T: one implementation, two names."""
     p, has = key_marginal(A, None, **masks)  # ĉ_j = c_j / T
     _, rows, _, _, _, _ = _prepare(A, **masks)
@@ -138,7 +138,7 @@ def _sink_index(keys: torch.Tensor, k) -> torch.Tensor:
 
 
 def sink_score(A, k: int = 0, **masks) -> torch.Tensor:
-    """§2.6 sink score (B, H) = (1/T) Σ_i A_ik, k = the k-th valid key (the first token by default)."""
+    """sink score (B, H) = (1/T) Σ_i A_ik, k = the k-th valid key (the first token by default)."""
     p, _ = key_marginal(A, None, **masks)
     _, _, keys, _, _, _ = _prepare(A, **masks)
     col = _sink_index(keys, k)
@@ -146,7 +146,7 @@ def sink_score(A, k: int = 0, **masks) -> torch.Tensor:
 
 
 def sink_rate(A, tau: float = 0.3, k: int = 0, **masks) -> torch.Tensor:
-    """§2.6 sink rate (scalar): fraction of heads with sink score ≥ τ, averaged over sequences."""
+    """sink rate (scalar): fraction of heads with sink score ≥ τ, averaged over sequences."""
     s = sink_score(A, k, **masks)
     _, rows, _, _, _, _ = _prepare(A, **masks)
     has = rows.any(-1)
@@ -160,7 +160,7 @@ def lam_window(r_t: float = 1.0, gamma: float = 32) -> int:
 
 
 def local_attention_mass(A, r_t: float = 1.0, gamma: float = 32, query_mask=None, **masks) -> torch.Tensor:
-    """§2.3 LAM per head (H,): mean over the query set of Σ_{i−M<j≤i} A_ij, M = ⌈γ r_t⌉."""
+    """LAM per head (H,): mean over the query set of Σ_{i−M<j≤i} A_ij, M = ⌈γ r_t⌉."""
     A, rows, _, _, qp, kp = _prepare(A, **masks)
     M = lam_window(r_t, gamma)
     d = qp[:, :, None] - kp[:, None, :]
@@ -171,7 +171,7 @@ def local_attention_mass(A, r_t: float = 1.0, gamma: float = 32, query_mask=None
 
 
 def dynamic_heads(metric_by_loop, frac: float = 0.4, scope: str = "global") -> dict:
-    """§2.4 `metric_by_loop` (R, L, H) → the top ⌈frac · #heads⌉ (layer, head) pairs by range max_t − min_t.
+    """`metric_by_loop` (R, L, H) → the top ⌈frac · #heads⌉ (layer, head) pairs by range max_t − min_t.
 
     scope "global" ranks all pairs together, "layer" within each layer. Returns `mask` (L, H) bool, `range` (L, H)
     and `curve` (R,): the per-loop metric averaged over the selected heads."""
@@ -196,7 +196,7 @@ def dynamic_heads(metric_by_loop, frac: float = 0.4, scope: str = "global") -> d
 
 
 def attention_distance(A1, A2, normalize: str | None = None, **masks) -> torch.Tensor:
-    """§2.8 ‖A − A'‖_F over the valid block, mean over heads then sequences; `normalize="rows"` divides by √T."""
+    """‖A − A'‖_F over the valid block, mean over heads then sequences; `normalize="rows"` divides by √T."""
     a1, rows, keys, _, _, _ = _prepare(A1, **masks)
     a2, _, _, _, _, _ = _prepare(A2, **masks)
     if a1.shape != a2.shape:
@@ -213,7 +213,7 @@ def attention_distance(A1, A2, normalize: str | None = None, **masks) -> torch.T
 
 
 def attention_similarity_matrix(trace, normalize: str | None = None, chunk_size: int = 256) -> tuple:
-    """§2.8 cyclic similarity matrix D[(ℓ,t),(ℓ',t')] = ‖A^{ℓ,t} − A^{ℓ',t'}‖_F over every realised loop step that
+    """cyclic similarity matrix D[(ℓ,t),(ℓ',t')] = ‖A^{ℓ,t} − A^{ℓ',t'}‖_F over every realised loop step that
     recorded attention with the same heads and shape. Returns (D (N, N), labels [(ℓ, t)])."""
     steps = [s for s in trace.loop_steps() if s.attention is not None]
     if not steps:
@@ -234,7 +234,7 @@ def attention_similarity_matrix(trace, normalize: str | None = None, chunk_size:
 
 
 def attention_fixed_point_distance(trace, normalize: str | None = None) -> dict[int, torch.Tensor]:
-    """§2.8 ‖A^{ℓ,t} − A^{ℓ,T_fp}‖_F for t = 1..R per loop layer ℓ (run the trace with R = T_fp recurrences); layers
+    """‖A^{ℓ,t} − A^{ℓ,T_fp}‖_F for t = 1..R per loop layer ℓ (run the trace with R = T_fp recurrences); layers
     whose recurrences differ in shape are skipped. Heads: those every recurrence recorded."""
     out = {}
     for ell, steps in trace.by_layer().items():
@@ -265,7 +265,7 @@ def common_head_weights(records, chunk_size: int = 256) -> list[torch.Tensor]:
 
 def cross_iteration_mass(A, key_iter, num_streams: int | None = None, query_mask=None, exclude_keys=None,
                          **masks) -> tuple[torch.Tensor, torch.Tensor]:
-    """§2.9 (TaH2) mass on each key stream j: μ_j = Σ_{k: iter_k = j} A_qk, mean over the queries of a sequence, then
+    """(TaH2) mass on each key stream j: μ_j = Σ_{k: iter_k = j} A_qk, mean over the queries of a sequence, then
     over sequences. `exclude_keys` (B, Tk), e.g. the prompt, is dropped without renormalising.
     Returns (mean (H, S), sample std over sequences (H, S))."""
     A, rows, keys, _, _, _ = _prepare(A, **masks)

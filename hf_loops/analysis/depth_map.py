@@ -1,4 +1,4 @@
-"""Per-token depth maps (spec: analysis.md §5.1, the paper's Fig. 11): every token shaded by the depth that produced
+"""Per-token depth maps (the paper's Fig. 11; docs/analysis.md): every token shaded by the depth that produced
 it, as HTML (hover shows depth and continue probabilities), PNG and ANSI; span means; mean depth per token class.
 
 Convention (same as `hf_loops.inference.generate_with_depths`): token t is coloured by the depth the model spent to
@@ -50,7 +50,7 @@ def is_deep(depth: int) -> bool:
 def class_depth_stats(texts: Sequence[str], depths: Sequence[int], special: Sequence[bool] | None = None) -> dict:
     """Per token class: token count, mean depth and the share of deep (depth >= 2) tokens (None when empty)."""
     sums = {c: [0, 0.0, 0] for c in TOKEN_CLASSES}
-    for i, (text, d) in enumerate(zip(texts, depths, strict=False)):
+    for i, (text, d) in enumerate(zip(texts, depths, strict=True)):
         c = token_class(text, bool(special[i]) if special is not None else False)
         sums[c][0] += 1
         sums[c][1] += d
@@ -150,7 +150,7 @@ def depth_color(depth: int, max_depth: int) -> str:
         t = 0.0
     else:
         t = (min(max(depth, 1), max_depth) - 1) / (max_depth - 1)
-    rgb = [round(a + (b - a) * t) for a, b in zip(_LIGHT, _DARK, strict=False)]
+    rgb = [round(a + (b - a) * t) for a, b in zip(_LIGHT, _DARK, strict=True)]
     return "#{:02x}{:02x}{:02x}".format(*rgb)
 
 
@@ -310,7 +310,7 @@ def render_png(rows: Sequence[DepthMapRow], max_depth: int, path: str, title: st
     ax.axis("off")
     fig.suptitle(title, fontsize=10, x=0.01, ha="left", y=0.995)
     y0, boxes = 0.0, 0
-    for row, items in zip(rows, layout, strict=False):
+    for row, items in zip(rows, layout, strict=True):
         mean = row.mean_depth()
         suffix = f"  (mean depth {mean:.2f})" if mean is not None else ""
         room = int(width_chars * 0.95) - len(suffix)  # bold proportional text: about one cell per character
@@ -387,7 +387,7 @@ def plot_depth_by_class(stats_by_model: dict[str, dict], path: str, title: str =
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(classes))]
         vals = [stats_by_model[name][c]["mean_depth"] or 0.0 for c in classes]
         bars = ax.bar(xs, vals, width, label=name, color=colors[k % len(colors)])
-        for b, c in zip(bars, classes, strict=False):
+        for b, c in zip(bars, classes, strict=True):
             n = stats_by_model[name][c]["tokens"]
             ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"n={n}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(classes)), classes)

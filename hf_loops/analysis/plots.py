@@ -1,4 +1,4 @@
-"""Figures (analysis.md §4). matplotlib is an optional extra: `pip install "hf_loops[plot]"`.
+"""Figures (docs/analysis.md). matplotlib is an optional extra: `pip install "hf_loops[plot]"`.
 
 Every per-step metric is a tidy table: a list of dicts with `step` (realised depth index), `stage`, `recurrence`,
 `layer` and `value`. `plot_metric` draws it three ways:
@@ -74,7 +74,7 @@ def plot_metric(table: list[dict], grouping: str = "none", ylabel: str = "value"
         passes = sorted({r["recurrence"] for r in rows if r["stage"] == "loop"})
         pre = [r for r in rows if r["stage"] == "pre"]
         post = [r for r in rows if r["stage"] == "post"]
-        for color, t in zip(_colors("summer", len(passes)), passes, strict=False):
+        for color, t in zip(_colors("summer", len(passes)), passes, strict=True):
             seq = pre + [r for r in rows if r["stage"] == "loop" and r["recurrence"] == t] + post
             xs = [100.0 * k / max(len(seq) - 1, 1) for k in range(len(seq))]
             ax.plot(xs, [r["value"] for r in seq], marker="o", ms=3, color=color, label=f"t={t}")
@@ -83,7 +83,7 @@ def plot_metric(table: list[dict], grouping: str = "none", ylabel: str = "value"
             ax.legend(fontsize=7, ncol=max(1, len(passes) // 8))
     else:
         layers = sorted({r["layer"] for r in rows if r["stage"] == "loop"})
-        for color, ell in zip(_colors("winter", len(layers)), layers, strict=False):
+        for color, ell in zip(_colors("winter", len(layers)), layers, strict=True):
             seq = sorted((r for r in rows if r["stage"] == "loop" and r["layer"] == ell), key=lambda r: r["recurrence"])
             ax.plot([r["recurrence"] for r in seq], [r["value"] for r in seq], marker="o", ms=3, color=color,
                     label=f"layer {ell}")
@@ -104,12 +104,12 @@ def plot_loop_curves(panels: dict[str, dict[str, list[float]]], title: str = "pe
     names = list(panels)
     fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.6), squeeze=False)
     table = []
-    for ax, name in zip(axes[0], names, strict=False):
+    for ax, name in zip(axes[0], names, strict=True):
         lines = panels[name]
-        for color, (label, ys) in zip(("tab:green", "tab:orange", "tab:blue", "tab:red"), lines.items(), strict=False):
+        for color, (label, ys) in zip(("tab:green", "tab:orange", "tab:blue", "tab:red"), lines.items(), strict=False):  # at most 4 lines
             xs = list(range(1, len(ys) + 1))
             ax.plot(xs, ys, marker="o", color=color, label=label)
-            table += [{"metric": name, "heads": label, "loop": x, "value": y} for x, y in zip(xs, ys, strict=False)]
+            table += [{"metric": name, "heads": label, "loop": x, "value": y} for x, y in zip(xs, ys, strict=True)]
             ax.set_xticks(xs)
             if xlabels:
                 ax.set_xticklabels(xlabels, fontsize=8)
@@ -150,12 +150,12 @@ def plot_bars(names: list[str], values: list[float], errors: list[float] | None 
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     table = [{"name": n, "value": v, "error": (errors[i] if errors else None)} for i, (n, v) in
-             enumerate(zip(names, values, strict=False))]
+             enumerate(zip(names, values, strict=True))]
     return fig, table
 
 
 def plot_decider_gain(rows: list[dict]):
-    """§5.2 mean gain of a second iteration per g⁽¹⁾ bin, with the token count."""
+    """mean gain of a second iteration per g⁽¹⁾ bin, with the token count."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     xs = [(r["g_lo"] + r["g_hi"]) / 2 for r in rows if r["mean_gain"] is not None]
@@ -171,7 +171,7 @@ def plot_decider_gain(rows: list[dict]):
 
 
 def plot_loss_change_histogram(delta, fractions: dict, bins: int = 50):
-    """§5.3 histogram of Δ = ℓ(1) − ℓ(M) under forced depth, with the three fractions."""
+    """histogram of Δ = ℓ(1) − ℓ(M) under forced depth, with the three fractions."""
     plt = _plt()
     d = [float(x) for x in delta]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
@@ -185,7 +185,7 @@ def plot_loss_change_histogram(delta, fractions: dict, bins: int = 50):
 
 
 def plot_scaling(table: list[dict], fit=None, label: str = "model"):
-    """§6 accuracy vs log2 FLOPs per cutoff with the OLS line."""
+    """accuracy vs log2 FLOPs per cutoff with the OLS line."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     xs = [math.log2(r["flops"]) for r in table]

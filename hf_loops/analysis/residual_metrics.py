@@ -1,4 +1,4 @@
-"""Residual-stream metrics (spec: analysis.md §3). Pure functions in fp32.
+"""Residual-stream metrics (docs/analysis.md). Pure functions in fp32.
 
 Tensor conventions: a residual X is (B, N, D) with a (B, N) validity mask; a trajectory over recurrences is
 (R, B, N, D). Token reductions: mean over valid tokens of a sequence, then over sequences [D]. The `*_trace` helpers
@@ -31,7 +31,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def successive_difference(X_seq: torch.Tensor, valid=None, kind: str = "l2") -> torch.Tensor:
-    """§3.1 for t = 2..R: Δ = ‖X_t − X_{t−1}‖ ("l2"), Δ / ‖X_{t−1}‖ ("relative") or cos(X_t, X_{t−1}) ("cosine").
+    """for t = 2..R: Δ = ‖X_t − X_{t−1}‖ ("l2"), Δ / ‖X_{t−1}‖ ("relative") or cos(X_t, X_{t−1}) ("cosine").
     X_seq (R, B, N, D) → (R − 1,)."""
     X = X_seq.float()
     valid = _valid(X, valid)
@@ -48,7 +48,7 @@ def successive_difference(X_seq: torch.Tensor, valid=None, kind: str = "l2") -> 
 
 
 def fixed_point_distance(X_seq: torch.Tensor, valid=None, reference: torch.Tensor | None = None) -> dict:
-    """§3.2 mean_i ‖X_t,i − X*_i‖ and mean_i cos(X_t,i, X*_i) for t = 1..R; X* = the last recurrence by default."""
+    """mean_i ‖X_t,i − X*_i‖ and mean_i cos(X_t,i, X*_i) for t = 1..R; X* = the last recurrence by default."""
     X = X_seq.float()
     valid = _valid(X, valid)
     ref = X[-1] if reference is None else reference.float()
@@ -56,7 +56,7 @@ def fixed_point_distance(X_seq: torch.Tensor, valid=None, reference: torch.Tenso
 
 
 def degenerate_fixed_point_score(fixed_points: torch.Tensor, valid=None) -> float:
-    """§3.3 min_{ℓ>1} mean_i cos(X*_1,i, X*_ℓ,i) for fixed points (L, B, N, D) of the L loop layers.
+    """min_{ℓ>1} mean_i cos(X*_1,i, X*_ℓ,i) for fixed points (L, B, N, D) of the L loop layers.
     → 1: one shared (degenerate) fixed point; well below 1: distinct per-layer (cyclic) fixed points. NaN if L < 2."""
     X = fixed_points.float()
     if X.shape[0] < 2:
@@ -66,7 +66,7 @@ def degenerate_fixed_point_score(fixed_points: torch.Tensor, valid=None) -> floa
 
 
 def residual_similarity_matrix(residuals: list, valid: list | None = None, per_token: bool = False) -> torch.Tensor:
-    """§3.4 cosine similarity between the residuals (B, N, D) after every realised step, (S, S); `valid` is one
+    """cosine similarity between the residuals (B, N, D) after every realised step, (S, S); `valid` is one
     (B, N) mask per residual. Default: cosine of the mean-over-tokens residuals per sequence, averaged over
     sequences; `per_token`: per-token cosines, then the mean (needs equal shapes)."""
     n = len(residuals)
@@ -81,7 +81,7 @@ def residual_similarity_matrix(residuals: list, valid: list | None = None, per_t
                 out[a, b] = _token_mean(_cos(Xa, Xb), masks[a] & masks[b])
         return out
     means = []
-    for X, v in zip(residuals, masks, strict=False):
+    for X, v in zip(residuals, masks, strict=True):
         w = v.float()[..., None]
         means.append((X.float() * w).sum(1) / w.sum(1).clamp_min(1))  # (B, D)
     for a in range(n):
@@ -91,7 +91,7 @@ def residual_similarity_matrix(residuals: list, valid: list | None = None, per_t
 
 
 def matrix_entropy(X: torch.Tensor, valid=None, normalized: bool = False) -> torch.Tensor:
-    """§3.5 spectral entropy of each sequence's (T, D) residual (uncentred): p_j = σ_j² / ‖X‖_F²,
+    """spectral entropy of each sequence's (T, D) residual (uncentred): p_j = σ_j² / ‖X‖_F²,
     H = −Σ p_j log p_j (optionally / log min(T, D)); mean over sequences."""
     X = X.float()
     if X.dim() == 2:
@@ -113,7 +113,7 @@ def matrix_entropy(X: torch.Tensor, valid=None, normalized: bool = False) -> tor
 
 
 def residual_norm(X: torch.Tensor, valid=None) -> dict:
-    """§3.6 mean ‖x_i‖ over valid tokens and the norm of the first valid token (BOS when the tokenizer adds one)."""
+    """mean ‖x_i‖ over valid tokens and the norm of the first valid token (BOS when the tokenizer adds one)."""
     X = X.float()
     valid = _valid(X, valid)
     norms = X.norm(dim=-1)
@@ -141,7 +141,7 @@ def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def classify_trajectory(s: torch.Tensor, tau: float = 0.05, rho: float = 0.9) -> tuple[str, float | None]:
-    """§3.7 one token's series s_t = cos(x_t, x_{T_fp}), t = 1..T_fp → (label, dominant period or None).
+    """one token's series s_t = cos(x_t, x_{T_fp}), t = 1..T_fp → (label, dominant period or None).
 
     fixed point: 1 − s_t < τ for ≥ ρ of the last half; orbit: not fixed, amplitude (max − min over the last half) > τ
     and Δs_t changes sign ≥ 2 times [D: amplitude read over the last half]; slider: Spearman(t, s_t) > 0.9 over the
@@ -167,7 +167,7 @@ def classify_trajectory(s: torch.Tensor, tau: float = 0.05, rho: float = 0.9) ->
 
 
 def classify_limiting_behaviour(X_seq: torch.Tensor, valid=None, tau: float = 0.05, rho: float = 0.9) -> dict:
-    """§3.7 per token of the last loop layer's trajectory (R, B, N, D), reference = the last recurrence.
+    """per token of the last loop layer's trajectory (R, B, N, D), reference = the last recurrence.
     Returns counts, fractions, per-token labels (B, N lists, None for invalid tokens) and orbit periods."""
     X = X_seq.float()
     valid = _valid(X, valid)

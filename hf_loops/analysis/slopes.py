@@ -1,4 +1,4 @@
-"""Accuracy vs log2(decoding FLOPs): slope fitting, matched-compute interpolation and cons@n (analysis.md §6).
+"""Accuracy vs log2(decoding FLOPs): slope fitting, matched-compute interpolation and cons@n (docs/analysis.md).
 
 Recorded responses are dicts with `tokens` (generated ids), `depths` (the depth the model ran when each generated
 token was fed back, i.e. the cache's `token_depth` of that position), optionally `prompt_streams` (streams kept per
@@ -8,6 +8,7 @@ min(c, len) − 1 decode calls (the first token comes from the prefill), fed tok
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -41,9 +42,9 @@ def fit_scaling_slope(flops: Sequence[float], acc: Sequence[float]) -> ScalingFi
     sxx = sum((xi - mx) ** 2 for xi in x)
     if sxx == 0:
         raise ValueError("all points have the same FLOPs: the slope is undefined")
-    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, acc, strict=False)) / sxx
+    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, acc, strict=True)) / sxx
     a = my - b * mx
-    ss_res = sum((yi - (a + b * xi)) ** 2 for xi, yi in zip(x, acc, strict=False))
+    ss_res = sum((yi - (a + b * xi)) ** 2 for xi, yi in zip(x, acc, strict=True))
     ss_tot = sum((yi - my) ** 2 for yi in acc)
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     stderr = math.sqrt(ss_res / (n - 2) / sxx) if n > 2 else float("nan")
@@ -52,19 +53,19 @@ def fit_scaling_slope(flops: Sequence[float], acc: Sequence[float]) -> ScalingFi
 
 def interpolate_accuracy(flops: Sequence[float], acc: Sequence[float], query: float) -> float:
     """Matched compute: linear interpolation of accuracy in log2 F between measured points; never extrapolates."""
-    pts = sorted(zip((math.log2(f) for f in flops), acc, strict=False))
+    pts = sorted(zip((math.log2(f) for f in flops), acc, strict=True))
     q = math.log2(query)
     if not pts or q < pts[0][0] - 1e-12 or q > pts[-1][0] + 1e-12:
         raise ValueError(f"{query:.4g} FLOPs lies outside the measured range "
                          f"[{2 ** pts[0][0]:.4g}, {2 ** pts[-1][0]:.4g}]: no extrapolation")
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if x0 <= q <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (q - x0) / (x1 - x0)
     return pts[0][1]
 
 
 def tah2_response_flops(config, response: dict, cutoff: int) -> float:
-    """Decoding FLOPs of one response cut at `cutoff` tokens (tah2.md §7 functions)."""
+    """Decoding FLOPs of one response cut at `cutoff` tokens (`hf_loops.core.flops_tah2`)."""
     n = min(cutoff, len(response["tokens"]))
     depths = list(response["depths"])[: max(n - 1, 0)]
     return decode_flops_tah2(config, depths, list(response.get("prompt_streams", [])),
@@ -96,7 +97,7 @@ def cons_at_n(answers: Sequence[Sequence], gold: Sequence, n: int, draws: int = 
     averaged over `draws` random draws and over problems; in percent."""
     rng = random.Random(seed)
     total = 0.0
-    for per_problem, truth in zip(answers, gold, strict=False):
+    for per_problem, truth in zip(answers, gold, strict=True):
         if len(per_problem) < n:
             raise ValueError(f"cons@{n} needs at least {n} responses per problem, got {len(per_problem)}")
         hits = 0

@@ -1,5 +1,5 @@
-"""TaH2 depth tools (analysis.md §5.2–5.3): decider–gain alignment and loss change under forced depth.
-(The per-token depth map, §5.1, lives in `depth_map.py`.)"""
+"""TaH2 depth tools (docs/analysis.md): decider–gain alignment and loss change under forced depth.
+(The per-token depth map lives in `depth_map.py`.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ SMALL_CHANGE = 1e-3
 
 
 def decider_gain_alignment(g1, loss1, loss2, mask=None, bins: int = 20) -> list[dict]:
-    """§5.2 bin tokens by the continue probability g⁽¹⁾ (equal-width bins on [0, 1]); per bin the mean loss reduction
+    """bin tokens by the continue probability g⁽¹⁾ (equal-width bins on [0, 1]); per bin the mean loss reduction
     of a second iteration δ = ℓ⁽¹⁾ − ℓ⁽²⁾ and the token count. Empty bins report mean_gain None."""
     g1, loss1, loss2 = (torch.as_tensor(x).float().flatten() for x in (g1, loss1, loss2))
     keep = torch.ones_like(g1, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool().flatten()
@@ -28,7 +28,7 @@ def decider_gain_alignment(g1, loss1, loss2, mask=None, bins: int = 20) -> list[
 
 
 def loss_change_fractions(delta, eps: float = SMALL_CHANGE) -> dict:
-    """§5.3 Δ = ℓ⁽¹⁾ − ℓ⁽ᴹ⁾: fractions worse (Δ < −eps), little change (|Δ| ≤ eps), improved (Δ > eps)."""
+    """Δ = ℓ⁽¹⁾ − ℓ⁽ᴹ⁾: fractions worse (Δ < −eps), little change (|Δ| ≤ eps), improved (Δ > eps)."""
     d = torch.as_tensor(delta).float().flatten()
     n = max(d.numel(), 1)
     return {"worse": float((d < -eps).sum()) / n, "little": float((d.abs() <= eps).sum()) / n,
@@ -75,7 +75,7 @@ def decider_gain_records(model, input_ids, attention_mask=None) -> dict:
 
 @torch.no_grad()
 def forced_depth_loss_change(model, input_ids, attention_mask=None, depth: int | None = None) -> torch.Tensor:
-    """§5.3 Δ_t = ℓ_t⁽¹⁾ − ℓ_t⁽ᴹ⁾ with every token forced to depth M (default the model's max_iterations), over the
+    """Δ_t = ℓ_t⁽¹⁾ − ℓ_t⁽ᴹ⁾ with every token forced to depth M (default the model's max_iterations), over the
     supervised tokens."""
     M = depth or model.config.max_iterations
     if M < 2:

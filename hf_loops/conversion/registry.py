@@ -1,7 +1,7 @@
 """The architectures hf_loops retrofits Qwen3 into: one `ArchitectureSpec` each, the one place their facts live.
 
-Conversion (`convert_qwen3`), the conversion report (1-loop parity), the model card, the CLI's choices and FLOPs
-accounting read these entries; nothing else branches on an architecture's name. A fourth architecture is one
+Conversion (`convert_qwen3`), the conversion report (1-loop parity), the model card, the CLI's choices, FLOPs
+accounting, display names and the analysis (trace adapters) read these entries; nothing else branches on an architecture's name. A fourth architecture is one
 configuration file, one modeling file and one entry here.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.trace_adapters import SGTTraceAdapter, SpiralFormerTraceAdapter, TaH2TraceAdapter
 from ..modeling.configuration_sgt import SGTConfig
 from ..modeling.configuration_spiralformer import SpiralFormerConfig
 from ..modeling.configuration_tah2 import TaH2Config
@@ -41,6 +42,10 @@ class ArchitectureSpec:
     flops: the architecture's FLOPs module (`hf_loops.core.flops_*`), imported on first use.
     display(config): the name of a model of this architecture in tables ("TaH2 (M=2)"); None: `short_name`.
     short_name: the architecture's name in words ("SpiralFormer").
+    trace_adapter: the class that maps the model's layer calls to trace steps (`hf_loops.core.trace_adapters`);
+        None: the plain decoder stack's.
+    cross_iteration_attention: attention keys span the streams of every depth (TaH2's duo-causal attention), so the
+        analysis measures how much attention goes to earlier depths.
     """
 
     name: str
@@ -62,6 +67,8 @@ class ArchitectureSpec:
     flops_module: str = ""
     display: Callable | None = None
     short_name: str = ""
+    trace_adapter: type | None = None
+    cross_iteration_attention: bool = False
 
     @property
     def flops(self):
@@ -122,7 +129,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         new_module_prefixes=("updater.", "decider.", "core_adapter."),
         one_loop_logits=_tah2_one_loop_logits, parity_setting="max_iterations=1", reports_depth=True,
         import_native=_tah2_import_native, flops_module="..core.flops_tah2", display=_tah2_display,
-        short_name="TaH2",
+        short_name="TaH2", trace_adapter=TaH2TraceAdapter, cross_iteration_attention=True,
     ),
     "spiralformer": ArchitectureSpec(
         name="spiralformer", config_class=SpiralFormerConfig, model_class=SpiralFormerForCausalLM,
@@ -136,7 +143,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         new_module_prefixes=("model.scorers.", "model.allocators.", "model.routers."),
         one_loop_logits=spiralformer_one_loop_logits, parity_setting="chunk_sizes=[1], one core pass",
         build=convert_spiralformer, convert_options=("layer_map", "core_init"),
-        flops_module="..core.flops_spiralformer", short_name="SpiralFormer",
+        flops_module="..core.flops_spiralformer", short_name="SpiralFormer", trace_adapter=SpiralFormerTraceAdapter,
     ),
     "sgt": ArchitectureSpec(
         name="sgt", config_class=SGTConfig, model_class=SGTForCausalLM,
@@ -150,6 +157,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         new_module_prefixes=(),  # SGT adds no parameters
         one_loop_logits=sgt_one_loop_logits, parity_setting="loop depths 0",
         convert_options=("calibration",), finish=_sgt_finish, flops_module="..core.flops_sgt", short_name="SGT",
+        trace_adapter=SGTTraceAdapter,
     ),
 }
 

@@ -1,7 +1,7 @@
 """What a conversion changed: parameter counts and the 1-loop parity with the source.
 
 "1-loop parity" = the converted model with its loop switched off gives the source's logits:
-- TaH2: `max_iterations=1` in the forward call (Standard, spec §5);
+- TaH2: `max_iterations=1` in the forward call (the Standard one-pass baseline);
 - SpiralFormer: the same weights with `chunk_sizes=[1]` (one core pass), `core_output="delta"` and identity MeSH
   routers — defined only when every source layer is kept in order (otherwise the model is a different depth);
 - SGT: every loop depth temporarily set to 0 (an empty plan).

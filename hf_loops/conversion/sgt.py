@@ -1,4 +1,4 @@
-"""Qwen3 → SGT with a loop plan calibrated on text (spec: shared/specs/sgt.md §3–§5).
+"""Qwen3 → SGT with a loop plan calibrated on text (docs/sgt.md).
 
 SGT normally grows its loop plan during training (Algorithm 1). A conversion can instead pick the plan up front
 from the source model's attention entropies on calibration text:
@@ -20,7 +20,7 @@ from the source model's attention entropies on calibration text:
 The plan is written into `config.loop_plan` (list form, ascending layer) and applied to the model.
 
 Block Loop (`loop_mode="block"`): the same measurement (first pass, no loops) and the same layer selection give
-`config.block_loop_layers` — "the layers SGT picks" (spec §9) — repeated `block_loop_depth` extra times.
+`config.block_loop_layers` — "the layers SGT picks" (the Block Loop baseline) — repeated `block_loop_depth` extra times.
 """
 
 from __future__ import annotations
@@ -196,6 +196,6 @@ def sgt_one_loop_logits(model, ids: torch.Tensor, source_num_layers: int):
         finally:
             model.config.block_loop_layers = block
     finally:
-        for layer, (depth, gates) in zip(layers, saved, strict=False):
+        for layer, (depth, gates) in zip(layers, saved, strict=True):
             if depth:
                 layer.set_loop([h for h, g in enumerate(gates) if g > 0], depth, gates)

@@ -1,4 +1,4 @@
-"""Qwen3 → SpiralFormer (spec: shared/specs/spiralformer.md §7.3 "Qwen3 conversion", decisions D-25, D-26).
+"""Qwen3 → SpiralFormer (docs/spiralformer.md, docs/conversion.md).
 
 Which source layers become what is explicit:
 

@@ -1,4 +1,4 @@
-"""The authors' TaH2 checkpoint layout (spec: shared/specs/tah2.md §8): import into `TaH2ForCausalLM`, export back.
+"""The authors' TaH2 checkpoint layout (docs/conversion.md): import into `TaH2ForCausalLM`, export back.
 
 Layout: a plain Qwen3 checkpoint (`config.json` model_type "qwen3", `model.safetensors`, tokenizer files) plus
 `tah_config.json` and the two components `iter_decider.bin` / `input_updater.bin`, each a `torch.save` dict

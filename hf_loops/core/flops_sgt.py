@@ -1,4 +1,4 @@
-"""FLOPs accounting for SGT and the Block Loop baseline (spec: shared/specs/sgt.md §8).
+"""FLOPs accounting for SGT and the Block Loop baseline (docs/sgt.md).
 
 Per token, forward pass, OLMo convention: a matmul of an m×n weight costs 2·m·n; attention over T keys costs 4·T·d per
 layer (scores + weighted sum). Training ≈ 3 × forward for numerator and denominator, so every overhead ratio below is
@@ -48,7 +48,7 @@ def sgt_overhead(loops: Iterable[tuple[int, int]], *, d_model: int, head_dim: in
     loops = list(loops)
     kvs = [None] * len(loops) if num_kv_heads is None else list(num_kv_heads)
     extra = sum(depth * loop_flops_per_token(d_model, head_dim, heads, seq_len, kv)
-                for (heads, depth), kv in zip(loops, kvs, strict=False))
+                for (heads, depth), kv in zip(loops, kvs, strict=True))
     return extra / model_flops_per_token(num_params, num_layers, d_model, seq_len)
 
 

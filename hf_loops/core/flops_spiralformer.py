@@ -1,4 +1,4 @@
-"""FLOPs and KV-memory accounting for SpiralFormer (spec: spiralformer.md §9).
+"""FLOPs and KV-memory accounting for SpiralFormer (docs/spiralformer.md).
 
 Convention: forward matmul FLOPs, a multiply-add counts 2. Attention scores + weighted sum cost 4·c·n²·d_q with
 c = 1 (full matrix) or c = ½ (causal-aware); every function takes `causal_factor` and says which it uses. Training ≈
@@ -88,7 +88,7 @@ def resolution_factors(chunk_sizes: Sequence[int]) -> tuple[float, float]:
 
 
 def latent_count(n: int, g: int, omega: int) -> int:
-    """Closed chunks after n tokens: L_t = ⌊(n + ω)/g⌋ (spec §4.1, D-11)."""
+    """Closed chunks after n tokens: L_t = ⌊(n + ω)/g⌋ (ω virtual members pad chunk 0)."""
     return (n + omega) // g
 
 
@@ -110,7 +110,7 @@ def layer_flops(n: float, shape: SpiralShape, causal_factor: float = 1.0) -> flo
 def iteration_flops(
     shape: SpiralShape, t: int, L: int, causal_factor: float = 1.0, exact_latents: bool = True
 ) -> float:
-    """F_iter(t) = N_loop·F_layer(L_t) + F_down + F_up + F_topo (spec §9)."""
+    """F_iter(t) = N_loop·F_layer(L_t) + F_down + F_up + F_topo."""
     g, d = shape.chunk_sizes[t], shape.hidden
     n_t = latent_count(L, g, shape.omega(g)) if exact_latents else L / g
     core = shape.num_loop * layer_flops(n_t, shape, causal_factor)
@@ -155,7 +155,7 @@ def compare_to_looped(shape: SpiralShape, L: int, causal_factor: float = 1.0, ex
             "looped_T_flops": looped_t, "ratio_vs_looped_T": spiral / looped_t}
 
 
-# --- the paper's Table 1 (spec §13): GPT-NeoX/Pythia blocks (MHA, GELU MLP 4d), vocabulary 50,304, L = 4096 --------
+# --- the paper's Table 1: GPT-NeoX/Pythia blocks (MHA, GELU MLP 4d), vocabulary 50,304, L = 4096 --------
 PYTHIA_SHAPES = {  # size: (hidden, heads, layers of the Pythia baseline)
     "160M": (768, 12, 12), "410M": (1024, 16, 24), "1B": (2048, 8, 16), "1.4B": (2048, 16, 24),
 }

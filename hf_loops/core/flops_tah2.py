@@ -1,4 +1,4 @@
-"""FLOPs accounting for TaH2 and its baselines (spec: tah2.md §7, the paper's App. A.4, Eqs. 13–23).
+"""FLOPs accounting for TaH2 and its baselines (the paper's App. A.4, Eqs. 13–23).
 
 Convention: matmul FLOPs only, a multiply-add counts 2, a linear a→b costs 2ab per token; norms, softmax, top-k,
 mixture and sampling are excluded. Where the query width n_h·d_head differs from d (Qwen3-0.6B, 4B) it replaces d in

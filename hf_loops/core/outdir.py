@@ -69,6 +69,17 @@ def _visible_entries(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if not n.startswith(TMP_PREFIX) and n != LOCK_NAME)
 
 
+def clear_dir(folder: str) -> None:
+    """Empty `folder` in place (it may be `.` or a mount point), keeping its lock and the staging folders of running
+    writers."""
+    for name in _visible_entries(folder):
+        full = os.path.join(folder, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.remove(full)
+
+
 def check_output_dir(out_dir: str | os.PathLike, what: str = "--out", overwrite: bool = False,
                      hint: str = "") -> str:
     """Check, before any work, that `out_dir` can receive a result: it is a new path whose nearest existing parent is a
@@ -165,12 +176,7 @@ def _swap_into_place(tmp: str, out: str) -> None:
         os.rmdir(trash)
         if err.errno not in (errno.EBUSY, errno.EINVAL, errno.EACCES, errno.EPERM, errno.EXDEV):
             raise
-        for name in _visible_entries(out):
-            full = os.path.join(out, name)
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full)
-            else:
-                os.remove(full)
+        clear_dir(out)
         move_files_into(tmp, out)
         os.rmdir(tmp)
         return

@@ -1,4 +1,4 @@
-"""SGT's Algorithm 1 selection rules, written once for the growth scheduler and for calibration (spec: sgt.md §3–§5).
+"""SGT's Algorithm 1 selection rules, written once for the growth scheduler and for calibration (docs/sgt.md).
 
 Pure functions on plain Python numbers. Tie rule (one for both users, as the reference's stable descending sort over
 layers in index order): equal layer scores rank the **lower** layer first, equal head entropies rank the **lower**

@@ -650,7 +650,7 @@ VISIBILITY_MODES = ITERATION_ATTENTION_MODES + ("duo_posterior",)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Visibility predicates (spec §2.5)
+# Visibility predicates: which key streams a query of each depth may attend to
 # ----------------------------------------------------------------------------------------------------------------------
 
 

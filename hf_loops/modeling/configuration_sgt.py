@@ -1,4 +1,4 @@
-"""SGT configuration: Qwen3 plus the loop plan and the growth knobs (spec: shared/specs/sgt.md §4, §5, §7, §9).
+"""SGT configuration: Qwen3 plus the loop plan and the growth knobs (docs/sgt.md).
 
 An `SGTConfig` is a `Qwen3Config` with a new `model_type`, so a Qwen3 checkpoint loads key-preserving: SGT adds no
 parameters. `loop_plan` is the static structure used at inference (which heads of which layer are looped and how

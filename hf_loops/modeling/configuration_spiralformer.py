@@ -1,4 +1,4 @@
-"""SpiralFormer configuration: Qwen3 plus the multi-resolution loop knobs (spec: shared/specs/spiralformer.md §7.3).
+"""SpiralFormer configuration: Qwen3 plus the multi-resolution loop knobs (docs/spiralformer.md).
 
 A `SpiralFormerConfig` is a `Qwen3Config` with a new `model_type`, so the Qwen3 parts keep their state-dict names.
 `num_hidden_layers` counts the *physical* decoder layers (pre + core + post, the length of `model.layers`); the cache
@@ -8,6 +8,7 @@ grows `cache.layers` to that size itself.
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
@@ -17,7 +18,7 @@ from .loop_utils import check_choice_fields, check_int_field, literal_choices, v
 QWEN3_DEFAULT_NUM_LAYERS = Qwen3Config.num_hidden_layers
 
 
-# Baselines of the paper as configurations (spec §11); layer counts are left to the caller.
+# Baselines of the paper as configurations; layer counts are left to the caller.
 SPIRALFORMER_PRESETS: dict[str, dict] = {
     "spiral-b": {"chunk_sizes": [8, 4, 2, 1]},
     "spiral-l": {"chunk_sizes": [16, 8, 4, 2]},
@@ -41,7 +42,7 @@ class SpiralFormerConfig(Qwen3Config):
         mesh_slots (`int`, T + 3): number of MeSH buffer slots B (>= 2).
         shift (`str`, "overlap"): causal right shift s = g − 1 ("overlap") or s = g ("no_overlap").
         chunk_offset (`str`, "half"): chunk offset ω = g // 2 ("half") or 0 ("zero").
-        shift_frame (`str`, "literal"): which tokens at the sequence start receive an update (spec §4.2).
+        shift_frame (`str`, "literal"): which tokens at the sequence start receive an update.
         latent_positions (`str`, "chunk_index"): RoPE position of latent j: j, last(j) ("last_token") or j·g.
         core_output (`str`, "state"): the core output ẑ ("state") or ẑ − z ("delta") feeds the update.
         router_init (`str`, "default"): MeSH routers with the default init or "identity" (all traffic to slot 1).
@@ -101,7 +102,7 @@ class SpiralFormerConfig(Qwen3Config):
                 raise ValueError(
                     f"SpiralFormerConfig.chunk_sizes must contain integers >= 1 only, got {self.chunk_sizes!r}"
                 )
-        if any(a < b for a, b in zip(self.chunk_sizes, self.chunk_sizes[1:], strict=False)):
+        if any(a < b for a, b in itertools.pairwise(self.chunk_sizes)):
             raise ValueError(
                 "SpiralFormerConfig.chunk_sizes must run coarse → fine (non-increasing, e.g. [8, 4, 2, 1]), "
                 f"got {self.chunk_sizes!r}"

@@ -1,4 +1,4 @@
-"""TaH2 configuration: Qwen3 plus the loop knobs (spec: shared/specs/tah2.md §6).
+"""TaH2 configuration: Qwen3 plus the loop knobs (docs/tah2.md, "Configuration").
 
 A `TaH2Config` is a `Qwen3Config` with a new `model_type`, so a Qwen3 checkpoint's weights keep their names and a
 conversion is a key-preserving load plus fresh updater/decider modules.
@@ -10,7 +10,7 @@ from typing import Literal
 
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-from .loop_utils import check_choice_fields, check_int_field, literal_choices, validated_at_load
+from .loop_utils import check_choice_fields, check_int_field, check_loop_knobs, literal_choices, validated_at_load
 
 # Baselines of the paper expressed as configurations (README "Baselines").
 TAH2_PRESETS: dict[str, dict] = {
@@ -103,11 +103,7 @@ class TaH2Config(Qwen3Config):
 
     def check_loop_fields(self) -> None:
         """Validate every TaH2 field (ValueError naming the field); also run on values given at load time."""
-        check_int_field(self, "max_iterations", 1)
-        if isinstance(self.exit_threshold, bool) or not isinstance(self.exit_threshold, (int, float)):
-            raise ValueError(f"TaH2Config.exit_threshold must be a float in (0, 1), got {self.exit_threshold!r}")
-        if not 0.0 < float(self.exit_threshold) < 1.0:
-            raise ValueError(f"TaH2Config.exit_threshold must be in the open interval (0, 1), got {self.exit_threshold}")
+        check_loop_knobs(self.max_iterations, self.exit_threshold, owner="TaH2Config.")
         check_choice_fields(self)
         for name in ("updater_intermediate_size", "decider_intermediate_size", "decider_topk", "updater_topk"):
             check_int_field(self, name, 1)

@@ -233,6 +233,41 @@ def check_choice_fields(config) -> None:
             raise ValueError(f"{cls.__name__}.{name} must be one of {list(allowed)}, got {value!r}")
 
 
+def check_loop_knobs(max_iterations=None, exit_threshold=None, owner: str = "") -> None:
+    """The one validation of the adaptive-depth loop knobs, as config fields and as per-call overrides (forward,
+    generate, hf_loops.inference): `max_iterations` an integer >= 1, `exit_threshold` a number in the open interval
+    (0, 1) (NaN refused). None = not given. `owner` prefixes the name in the message ("TaH2Config.")."""
+    m = max_iterations
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"{owner}max_iterations must be an integer >= 1, got {m!r}")
+    tau = exit_threshold
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau < 1.0):
+        raise ValueError(f"{owner}exit_threshold must be in the open interval (0, 1), got {tau!r}")
+
+
+def check_attn_implementation(impl, arch: str, allowed: tuple[str, ...], needs_mask_function: bool = False,
+                              reason: str = "") -> None:
+    """`impl` is one of `allowed`, or a custom attention function registered with transformers' `AttentionInterface`
+    (and `AttentionMaskInterface` when `needs_mask_function`: the model lets transformers build its masks), e.g.
+    hf_loops.analysis's recording functions. Flash kernels not in `allowed` and paged attention are refused (`reason`
+    says why for this architecture). None = transformers' default (sdpa)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl in allowed or (impl is None and "sdpa" in allowed):
+        return
+    custom = (impl is not None and not str(impl).startswith(("flash_attention", "paged"))
+              and impl in ALL_ATTENTION_FUNCTIONS.valid_keys()
+              and (not needs_mask_function or impl in ALL_MASK_ATTENTION_FUNCTIONS))
+    if not custom:
+        registries = "AttentionInterface" + (" and AttentionMaskInterface" if needs_mask_function else "")
+        raise ValueError(
+            f"{arch} supports attn_implementation from a fixed set, got attn_implementation={impl!r}; allowed values: "
+            f"{', '.join(repr(a) for a in allowed)}, or a custom function registered with {registries}"
+            + (f" ({reason})" if reason else "")
+        )
+
+
 def check_int_field(config, name: str, minimum: int, maximum: int | None = None) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):

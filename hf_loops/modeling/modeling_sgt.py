@@ -1,4 +1,4 @@
-"""SGT (Sparse Growing Transformer) on a Qwen3 backbone (spec: shared/specs/sgt.md).
+"""SGT (Sparse Growing Transformer) on a Qwen3 backbone (docs/sgt.md).
 
 In a looped layer l only the attention sub-layer is re-applied, K_l extra times, and only for the kept heads S_l:
 
@@ -38,7 +38,6 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
@@ -64,6 +63,7 @@ from .configuration_sgt import SGTConfig
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
+    check_attn_implementation,
     ensure_cache_slots,
     flex_cpu_guard,
     plain_attention_mask,
@@ -71,7 +71,7 @@ from .loop_utils import (
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Entropy statistic (§3)
+# Entropy statistic: how SGT ranks heads for looping
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -398,21 +398,10 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention
 _TENSOR_MASK_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
-def check_attn_implementation(impl) -> None:
-    """`ATTENTION_IMPLEMENTATIONS`, or a custom function registered with both `AttentionInterface` and
-    `AttentionMaskInterface` (e.g. hf_loops.analysis's recording functions); other flash kernels (untested) and paged
-    attention (its cache cannot hold the loop slots) are refused. None = transformers' default (sdpa)."""
-    if impl is None or impl in ATTENTION_IMPLEMENTATIONS:
-        return
-    custom = (not str(impl).startswith(("flash_attention", "paged")) and impl in ALL_ATTENTION_FUNCTIONS.valid_keys()
-              and impl in ALL_MASK_ATTENTION_FUNCTIONS)
-    if not custom:
-        raise ValueError(
-            f"SGT does not support attn_implementation={impl!r}; allowed values: "
-            f"{', '.join(repr(a) for a in ATTENTION_IMPLEMENTATIONS)}, or a custom function registered with both "
-            "AttentionInterface and AttentionMaskInterface (paged attention cannot hold the loop cache slots; other "
-            "flash kernels are not verified)"
-        )
+def _check_attn(impl) -> None:
+    check_attn_implementation(impl, "SGT", ATTENTION_IMPLEMENTATIONS, needs_mask_function=True,
+                              reason="paged attention cannot hold the loop cache slots; other flash kernels are not "
+                                     "verified")
 
 
 class _ConfigWithAttention:
@@ -434,7 +423,7 @@ class SGTPreTrainedModel(PreTrainedModel):
     attention call, loops included, uses the call's plain causal + padding mask (position_ids for packed sequences),
     which is exactly what flash-attention takes. flash_attention_2 needs the `flash_attn` package and has not been run
     here (no GPU); flash_attention_3/4 and paged attention raise a `ValueError` at load / `set_attn_implementation`
-    (see `check_attn_implementation`). The entropy probe of the growth phase builds its own tensor mask when the
+    (see `_check_attn`). The entropy probe of the growth phase builds its own tensor mask when the
     backend's mask is not one.
     """
 
@@ -449,7 +438,7 @@ class SGTPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
-        check_attn_implementation(attn_implementation)
+        _check_attn(attn_implementation)
         return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check=is_init_check, **kwargs)
 
     def _init_weights(self, module):

@@ -1,5 +1,5 @@
 """SpiralFormer: a middle-cycle looped transformer whose loop iterations run at different resolutions
-(spec: shared/specs/spiralformer.md).
+(docs/spiralformer.md).
 
     h(0)   = f_pre(x)                                   (MeSH: transitional write/read of f_pre(x))
     h(t+1) = U(ũ(t), h(t))     t = 0..T−1               one loop step at chunk size g_t (coarse → fine)
@@ -14,9 +14,9 @@ One loop step at chunk size g (ω = chunk offset, s = causal shift, λ = √g):
     topology    Anchor: h = h(0) + ũ;  MeSH: routers(h) → write ũ into B slots → read
 
 Every token with s = g−1 reads the most recently *closed* chunk j* = ⌊(i+ω+1)/g⌋−1 at allocation index
-k* = (i+ω+1) mod g, so a token never sees a chunk that contains a later token (causality, spec §5), and incremental
+k* = (i+ω+1) mod g, so a token never sees a chunk that contains a later token (causality), and incremental
 decoding only needs, per iteration, the core K/V of the closed latents, an online-softmax accumulator for the open
-chunk and the last closed latent (spec §7).
+chunk and the last closed latent.
 
 Cache layout (`cache.layers`): pre layer l → l; core (t, l) → N_pre + t·N_loop + l; post layer l → N_pre + T·N_loop + l
 (when N_pre = 0 the post slots come first so slot 0 always counts tokens); then one decode-state slot per iteration
@@ -43,7 +43,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -59,6 +59,7 @@ from .loop_utils import (
     LoopCacheView,
     additive_mask,
     block_mask,
+    check_attn_implementation,
     ensure_cache_slots,
     plain_attention_mask,
     positions_from_mask,
@@ -68,12 +69,12 @@ _NEG = -1.0e30  # finite "−∞" for scores and the empty online-softmax max (k
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Index algebra (spec §4)
+# Index algebra: token i ↔ chunk π(i), slot ρ(i), latent positions
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def chunk_offset(config, g: int) -> int:
-    """ω_t: half a chunk (staggers the triggers of a power-of-two schedule, spec §4.3) or zero."""
+    """ω_t: half a chunk (staggers the triggers of a power-of-two schedule) or zero."""
     return g // 2 if config.chunk_offset == "half" else 0
 
 
@@ -99,7 +100,7 @@ def reader_index(config, g: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def latent_position_ids(config, g: int, j: torch.Tensor) -> torch.Tensor:
-    """RoPE position of latent j (spec §6, D-7)."""
+    """RoPE position of latent j (the position of its chunk's last member)."""
     if config.latent_positions == "chunk_index":
         return j
     if config.latent_positions == "last_token":
@@ -108,7 +109,7 @@ def latent_position_ids(config, g: int, j: torch.Tensor) -> torch.Tensor:
 
 
 class _SlotLayout:
-    """Virtual cache indices (spec §7.3) and the `LoopCacheView` offsets of each physical layer group."""
+    """Virtual cache indices and the `LoopCacheView` offsets of each physical layer group."""
 
     def __init__(self, config):
         n_pre, n_loop, n_post, T = (
@@ -360,16 +361,11 @@ class _CoreCacheView:
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 
-def check_attn_implementation(impl) -> None:
-    """eager / sdpa / flex_attention, or a custom function registered with `AttentionInterface` (it receives the
-    float additive masks, e.g. hf_loops.analysis's recording functions); flash and paged kernels are refused."""
-    if impl is None or str(impl).startswith(("flash_attention", "paged")) or (
-            impl not in _ATTN_IMPLEMENTATIONS and impl not in ALL_ATTENTION_FUNCTIONS.valid_keys()):
-        raise ValueError(
-            f"SpiralFormer supports attn_implementation in {list(_ATTN_IMPLEMENTATIONS)}, got {impl!r}: its chunk "
-            "latents and left-padded rows need explicit masks (float masks for eager/sdpa, a BlockMask for "
-            "flex_attention); flash-attention kernels are not enabled for SpiralFormer (see SpiralFormerPreTrainedModel)"
-        )
+def _check_attn(impl) -> None:
+    check_attn_implementation(impl, "SpiralFormer", _ATTN_IMPLEMENTATIONS,
+                              reason="its chunk latents and left-padded rows need explicit masks (float masks for "
+                                     "eager/sdpa, a BlockMask for flex_attention); flash-attention kernels are not "
+                                     "enabled for SpiralFormer")
 
 
 def build_mask(impl: str, mask_mod, batch: int | None, q_len: int, kv_len: int, device, dtype):
@@ -417,7 +413,7 @@ class SpiralFormerPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
 
     def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
-        check_attn_implementation(f"flash_attention_{flash_attn_version}")  # raises: names the supported values
+        _check_attn(f"flash_attention_{flash_attn_version}")  # raises: names the supported values
         return False
 
     def _init_weights(self, module):
@@ -429,10 +425,10 @@ class SpiralFormerPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
             if module.bias is not None:
                 init.zeros_(module.bias)
-        elif role == "depth_scaled":  # o_proj / down_proj: std × 1/√(2·N_compute) [M, D-18]
+        elif role == "depth_scaled":  # o_proj / down_proj: std × 1/√(2·N_compute) (Megatron's output-layer scaling)
             std = self.config.initializer_range / math.sqrt(2 * self.config.num_virtual_layers)
             init.normal_(module.weight, mean=0.0, std=std)
-        elif role == "identity_router":  # all writes and reads go to slot 1 [D-22]
+        elif role == "identity_router":  # all writes and reads go to slot 1 (the loop starts as Anchor)
             init.zeros_(module.weight)
             bias = torch.zeros_like(module.bias)
             bias[1] = 30.0
@@ -556,7 +552,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         v = zhat - z if self.config.core_output == "delta" else zhat
         return zhat, v
 
-    # --- one loop step over a whole sequence (spec §6) ----------------------------------------------------------------
+    # --- one loop step over a whole sequence ----------------------------------------------------------------------
 
     def spiral_step(self, h, t, pos, valid, aligned, cache=None, use_cache=False, force_gather=False, **kwargs):
         """ũ(t) for every token of `h` (b, L, d). `pos` (b, L) token positions, `valid` (b, L) real-token mask.
@@ -592,7 +588,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         return e
 
     def _downscale(self, t, h, scores, pos, valid, Lt, fast):
-        """z (b, Lt, d): the latents of the Lt closed chunks, from the (b, Lt, g) padded frame (spec §2 step 2);
+        """z (b, Lt, d): the latents of the Lt closed chunks, from the (b, Lt, g) padded frame (down-scaling);
         virtual members of chunk 0 and (gather path) absent or padded members are masked out."""
         g = self.config.chunk_sizes[t]
         omega = chunk_offset(self.config, g)
@@ -614,13 +610,13 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             sp = torch.gather(_pad_seq(scores, 0, 1, value=_NEG), 1, inv) if scores is not None else None
         hp = hp.reshape(b, Lt, g, d)
         if sp is None:
-            return hp.sum(2) / g  # literal 1/g: virtual members count as zeros [D-9]
+            return hp.sum(2) / g  # literal 1/g: virtual members count as zeros
         sp = sp.masked_fill(~member, _NEG).reshape(b, Lt, g)
         alpha = torch.softmax(sp, dim=-1).to(h.dtype)
         return (alpha.unsqueeze(-1) * hp).sum(2)
 
     def _upscale(self, t, v, beta, pos, valid, L, fast):
-        """ũ (b, L, d): up-scaling u = λ β v and the causal shift (spec §2 steps 4–5; frames of §4.2)."""
+        """ũ (b, L, d): up-scaling u = λ β v and the causal shift."""
         g = self.config.chunk_sizes[t]
         omega, s, lam = chunk_offset(self.config, g), shift_of(self.config, g), math.sqrt(g)
         b, Lt, d = v.shape
@@ -741,7 +737,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         return out
 
     def _write_prefill_state(self, cache, t, h, scores, pos, valid, lt_row, Lt, v, beta):
-        """Decode state after a prefill (spec §7.2): open-chunk accumulator and last closed latent of every row."""
+        """Decode state after a prefill: open-chunk accumulator and last closed latent of every row."""
         g = self.config.chunk_sizes[t]
         omega = chunk_offset(self.config, g)
         b, L, d = h.shape
@@ -764,7 +760,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             beta_last = torch.zeros(b, g, dtype=torch.float32, device=h.device)
         cache.layers[self.layout.state_slot(t)].store(self._pack_state(m, Z, S, v_last, beta_last), seen=L)
 
-    # --- one token against the cache (spec §7.2) ----------------------------------------------------------------------
+    # --- one token against the cache -------------------------------------------------------------------------------
 
     def _decode_level(self, t, h, pos, valid, trigger, rows, cache, **kwargs):
         """ũ(t) for one new token per row (h: (b, 1, d); pos, valid, trigger: (b,)) and the cache update of iteration
@@ -845,7 +841,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         `output_attentions` is refused for that reason."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        check_attn_implementation(self.config._attn_implementation)
+        _check_attn(self.config._attn_implementation)
         if output_attentions if output_attentions is not None else self.config.output_attentions:
             raise ValueError("output_attentions is not supported by SpiralFormer: its loops attend over compressed "
                              "latents of varying length; use hf_loops.analysis.capture_trace for attention maps")
@@ -900,7 +896,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
             h = self._forward_full(x, key_valid, position_ids, cache, use_cache, collect=collect, **kwargs)
         else:
             outs = []
-            for i in range(L):  # extending a non-empty cache: one token at a time [D-16]
+            for i in range(L):  # extending a non-empty cache: one token at a time (the decode path keeps the chunk state exact)
                 tok_valid = key_valid[:, : past + i + 1]
                 outs.append(self._forward_token(x[:, i : i + 1], tok_valid, position_ids[:, i], cache, **kwargs))
             h = torch.cat(outs, dim=1)
@@ -932,7 +928,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         """Run the T resolution steps on the pre-stack output `h`; `step(h, t)` returns iteration t's token update.
 
         Anchor: h(t+1) = h(0) + update. MeSH: transitional write–read of h(0) into a buffer seeded with the embeddings,
-        then per step a write of the update and a read with routers computed from h(t) (spec §3)."""
+        then per step a write of the update and a read with routers computed from h(t) (MeSH)."""
         mesh = self.config.topology == "mesh"
         if mesh:
             memory = torch.zeros(*x.shape[:2], self.config.mesh_slots, x.shape[-1], dtype=x.dtype, device=x.device)

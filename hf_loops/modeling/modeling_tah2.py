@@ -1,4 +1,4 @@
-"""TaH2: adaptive looped Qwen3 (spec: shared/specs/tah2.md).
+"""TaH2: adaptive looped Qwen3 (docs/tah2.md).
 
 The whole Qwen3 backbone is re-applied up to M times per token:
 
@@ -38,6 +38,7 @@ from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
     LayerCollector,
     LoopCacheView,
+    check_loop_knobs,
     explicit_mask_backend,
     flex_cpu_guard,
     iteration_mask,
@@ -166,7 +167,7 @@ class QExit:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Packing active tokens (spec §2.7)
+# Packing active tokens: a depth runs only the tokens that continue
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -453,13 +454,13 @@ def head_target_log_prob(head, hidden: torch.Tensor, targets: torch.Tensor) -> t
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Loop records: what lookahead depth supervision needs from the main forward (spec §4.1)
+# Loop records: what lookahead depth supervision needs from the main forward
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class TaH2LoopRecords:
-    """Per-depth quantities of one teacher-forced forward, for lookahead depth supervision (spec §4.1).
+    """Per-depth quantities of one teacher-forced forward, for lookahead depth supervision.
 
     Lists are indexed by depth m−1. `token_logprob[m−1]` = log q(m)[y_t] (fp32, detached, 0 where not executed);
     `decider_logits[m−1]` (m < M) keep their gradient; `hidden` are the detached h(m) the lookahead starts from.
@@ -806,7 +807,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, allow_pickle: bool = False, **kwargs):
         """Also loads a local directory in the authors' layout (`tah_config.json` + `iter_decider.bin` +
-        `input_updater.bin` next to a plain Qwen3 checkpoint; spec §8). `allow_pickle=True` lets the two `.bin`
+        `input_updater.bin` next to a plain Qwen3 checkpoint; docs/conversion.md). `allow_pickle=True` lets the two `.bin`
         files fall back to full pickle when `torch.load(weights_only=True)` refuses them."""
         from .tah2_official import is_official_tah2_dir, load_official_tah2
 
@@ -896,12 +897,9 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     def _loop_knobs(self, max_iterations, exit_threshold) -> tuple[int, float]:
         """M and τ of this call (per-call overrides validated like the config fields)."""
         cfg = self.config
+        check_loop_knobs(max_iterations, exit_threshold)
         M = cfg.max_iterations if max_iterations is None else max_iterations
-        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-            raise ValueError(f"max_iterations must be an integer >= 1, got {max_iterations!r}")
-        tau = cfg.exit_threshold if exit_threshold is None else float(exit_threshold)
-        if not 0.0 < tau < 1.0:
-            raise ValueError(f"exit_threshold must be in the open interval (0, 1), got {exit_threshold!r}")
+        tau = float(cfg.exit_threshold if exit_threshold is None else exit_threshold)
         if M > 1 and cfg.updater == "learned" and self.updater is None:
             raise ValueError("this checkpoint has no learned updater; max_iterations must be 1")
         return M, tau
@@ -1091,7 +1089,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
 
     def _forward_huginn(self, run: _LoopSetup, labels, output_hidden_states, output_attentions, return_loop_records,
                         kwargs):
-        """Huginn-style baseline (spec §5): prelude (layers before `loop_span`) once → z; the core layers M times with
+        """Huginn-style baseline: prelude (layers before `loop_span`) once → z; the core layers M times with
         u(1) = z and u(m+1) = adapter(r(m), z) (or r(m) without adapter); the coda once on r(M); the LM head once.
         Every token runs every core iteration; iteration m keeps its own K/V stream (stream 0 also holds the prelude and
         coda layers, whose indices differ), so each layer call is plain causal attention over its own slot."""
@@ -1244,7 +1242,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
 
     @torch.no_grad()
     def lookahead_logprobs(self, records: TaH2LoopRecords) -> list:
-        """One extra no-gradient iteration per boundary m = 1..M−1 (spec §4.2): every token that executed depth m runs
+        """One extra no-gradient iteration per boundary m = 1..M−1 (lookahead): every token that executed depth m runs
         depth m+1 from U(e, h(m)), seeing the main forward's streams 0..m−1, the main depth-(m+1) states of tokens that
         really continued (`duo_posterior`), and its own lookahead state — never another token's lookahead state.
 

@@ -1,4 +1,4 @@
-"""Loading and writing a TaH2 checkpoint in the authors' layout (spec: shared/specs/tah2.md §8).
+"""Loading and writing a TaH2 checkpoint in the authors' layout (docs/conversion.md).
 
 The official layout is a plain Qwen3 checkpoint (`config.json` with model_type "qwen3" + weights) plus
 `tah_config.json` (the loop settings) and two `torch.save` dicts, `iter_decider.bin` and `input_updater.bin`, each
@@ -294,6 +294,29 @@ def _read_component(path: str, file: str, tah: dict, class_key: str, weightless,
     return {"class": tah[class_key], "init_args": {}, "state_dict": {}}
 
 
+def _component(path: str, file: str, tah: dict, key: str, classes: dict, weightless: tuple, allow_pickle: bool):
+    """(class name, the `.bin`'s init_args, tah_config.json's `<key>_kwargs`, state dict) of the component `key`
+    (iter_decider / input_updater), its class known and agreeing with tah_config.json; unknown arguments warned."""
+    comp = _read_component(path, file, tah, key, weightless, allow_pickle)
+    cls = _class_name(comp["class"])
+    if cls not in classes:
+        raise ValueError(f"{key}: unknown component class {cls!r}; known: {sorted(classes)}")
+    if tah.get(key) is not None and _class_name(tah[key]) != cls:
+        raise ValueError(f"official TaH2 checkpoint: {TAH_CONFIG_FILE} names {key} {_class_name(tah[key])!r} but "
+                         f"{file} holds a {cls}")
+    bin_args, tah_args = dict(comp.get("init_args") or {}), dict(tah.get(f"{key}_kwargs") or {})
+    _warn_unknown(key, {**bin_args, **tah_args})
+    return cls, bin_args, tah_args, dict(comp["state_dict"])
+
+
+def _projection_and_gate(state: dict, file: str, projection: str):
+    """The two weights a learned component's shapes are read from: its input projection and its MLP's gate."""
+    proj, gate = state.get(projection), state.get("mlp.gate_proj.weight")
+    if proj is None or gate is None:
+        raise ValueError(f"{file}: state_dict lacks {projection} / mlp.gate_proj.weight")
+    return proj, gate
+
+
 def _decider_threshold(kw: dict, tah_args: dict, bin_args: dict, buffer) -> None:
     """τ as the authors' loader takes it: tah_config.json's `iter_decider_kwargs.threshold` when given (their loader
     then skips the `.bin`'s buffer), else the buffer, else the `.bin`'s init_args."""
@@ -316,18 +339,9 @@ def _decider_threshold(kw: dict, tah_args: dict, bin_args: dict, buffer) -> None
 def _decider_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) -> dict:
     """Set the decider's TaH2Config fields in `kw` from `iter_decider.bin` and tah_config.json's
     `iter_decider_kwargs` (which wins, as in the authors' loader); return the decider's state dict."""
-    dec = _read_component(path, DECIDER_FILE, tah, "iter_decider", ("AlwaysIterDecider", "TrivialIterDecider"),
-                          allow_pickle)
-    dec_cls = _class_name(dec["class"])
-    if dec_cls not in DECIDER_CLASSES:
-        raise ValueError(f"iter_decider: unknown component class {dec_cls!r}; known: {sorted(DECIDER_CLASSES)}")
-    if tah.get("iter_decider") is not None and _class_name(tah["iter_decider"]) != dec_cls:
-        raise ValueError(f"official TaH2 checkpoint: {TAH_CONFIG_FILE} names iter_decider "
-                         f"{_class_name(tah['iter_decider'])!r} but {DECIDER_FILE} holds a {dec_cls}")
-    bin_args, dec_state = dict(dec.get("init_args") or {}), dict(dec["state_dict"])
-    tah_args = dict(tah.get("iter_decider_kwargs") or {})
+    dec_cls, bin_args, tah_args, dec_state = _component(path, DECIDER_FILE, tah, "iter_decider", DECIDER_CLASSES,
+                                                        ("AlwaysIterDecider", "TrivialIterDecider"), allow_pickle)
     args = {**bin_args, **tah_args}
-    _warn_unknown("iter_decider", args)
     kw["decider"] = DECIDER_CLASSES[dec_cls]
     _decider_threshold(kw, tah_args, bin_args, dec_state.pop("threshold", None))
     cap = tah_args.get("max_iter")
@@ -337,10 +351,7 @@ def _decider_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) 
         kw["max_iterations"] = int(cap)
     if kw["decider"] == "learned":
         _check_built_as_ours("iter_decider", args)
-        proj = dec_state.get("input_proj.weight")
-        gate = dec_state.get("mlp.gate_proj.weight")
-        if proj is None or gate is None:
-            raise ValueError(f"{DECIDER_FILE}: state_dict lacks input_proj.weight / mlp.gate_proj.weight")
+        proj, gate = _projection_and_gate(dec_state, DECIDER_FILE, "input_proj.weight")
         if proj.shape[0] != d or proj.shape[1] <= 2 * d:
             raise ValueError(
                 f"{DECIDER_FILE}: input_proj.weight has shape {tuple(proj.shape)}, expected ({d}, 2·{d} + k) for "
@@ -368,23 +379,13 @@ def _updater_fields(kw: dict, path: str, tah: dict, d: int, allow_pickle: bool) 
     """Set the updater's TaH2Config fields in `kw` from `input_updater.bin` and tah_config.json's
     `input_updater_kwargs` (the authors build from these when given, else from the `.bin`'s init_args); return the
     updater's state dict."""
-    upd = _read_component(path, UPDATER_FILE, tah, "input_updater", ("IdentityUpdater",), allow_pickle)
-    upd_cls = _class_name(upd["class"])
-    if upd_cls not in UPDATER_CLASSES:
-        raise ValueError(f"input_updater: unknown component class {upd_cls!r}; known: {sorted(UPDATER_CLASSES)}")
-    if tah.get("input_updater") is not None and _class_name(tah["input_updater"]) != upd_cls:
-        raise ValueError(f"official TaH2 checkpoint: {TAH_CONFIG_FILE} names input_updater "
-                         f"{_class_name(tah['input_updater'])!r} but {UPDATER_FILE} holds a {upd_cls}")
-    args = {**dict(upd.get("init_args") or {}), **dict(tah.get("input_updater_kwargs") or {})}
-    upd_state = dict(upd["state_dict"])
-    _warn_unknown("input_updater", args)
+    upd_cls, bin_args, tah_args, upd_state = _component(path, UPDATER_FILE, tah, "input_updater", UPDATER_CLASSES,
+                                                        ("IdentityUpdater",), allow_pickle)
+    args = {**bin_args, **tah_args}
     kw["updater"] = UPDATER_CLASSES[upd_cls]
     if kw["updater"] == "learned":
         _check_built_as_ours("input_updater", args)
-        proj = upd_state.get("projection.weight")
-        gate = upd_state.get("mlp.gate_proj.weight")
-        if proj is None or gate is None:
-            raise ValueError(f"{UPDATER_FILE}: state_dict lacks projection.weight / mlp.gate_proj.weight")
+        proj, gate = _projection_and_gate(upd_state, UPDATER_FILE, "projection.weight")
         if tuple(proj.shape) != (d, 2 * d):
             raise ValueError(
                 f"{UPDATER_FILE}: projection.weight has shape {tuple(proj.shape)}, expected ({d}, {2 * d}) for "

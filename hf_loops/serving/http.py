@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from ..core.errors import run_command
+
 DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no authentication
 DEFAULT_PORT = 8000
 
@@ -125,11 +127,4 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        serve(args)
-    except ValueError as err:
-        if args.debug:
-            raise
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(serve, args, debug=args.debug)  # the commands' one error boundary: user errors exit 2

@@ -1,4 +1,4 @@
-"""SGT growth: Algorithm 1 (spec: shared/specs/sgt.md §3–§5, §7).
+"""SGT growth: Algorithm 1 (head selection by attention entropy, progressive loop growth; docs/sgt.md).
 
 `SGTGrowthScheduler` is the pure schedule (no model, no torch): fed per-step mean entropies, it decides, once per
 optimizer step t (t starts at 1), which layer to loop, which heads to keep, when to deepen and when to freeze:

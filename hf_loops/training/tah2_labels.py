@@ -1,4 +1,4 @@
-"""Lookahead depth supervision labels for TaH2 (spec: tah2.md §4.3–4.5, Eqs. 5, 6, 24–26).
+"""Lookahead depth supervision labels for TaH2 (the paper's Eqs. 5, 6, 24–26: oracle depths from the lookahead losses, their continue labels and weights).
 
 At each boundary m = 1..M−1 every supervised token that executed depth m has a gain
     δ(m) = ℓ(m) − ℓ(m+1)                    (per-iteration losses; ℓ(m+1) from the lookahead pass)
@@ -34,7 +34,7 @@ def gather_variable(values: torch.Tensor) -> torch.Tensor:
     padded[: values.numel()] = values
     gathered = [torch.zeros_like(padded) for _ in counts]
     dist.all_gather(gathered, padded)
-    return torch.cat([g[: int(c)] for g, c in zip(gathered, counts, strict=False)])
+    return torch.cat([g[: int(c)] for g, c in zip(gathered, counts, strict=True)])
 
 
 def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def decider_bce_sum(decider_logits: list, labels: DepthLabels, margin: float = 0
     """Σ_m Σ_t w(m) · BCE(g(m), c(m)) with positive weight β(m), fp32 (Eq. 26); `margin` shifts the logit ∓."""
     total = None
     for _m, (logit, c, w, terms, beta) in enumerate(
-        zip(decider_logits, labels.continue_labels, labels.weights, labels.bce_mask, labels.beta, strict=False)
+        zip(decider_logits, labels.continue_labels, labels.weights, labels.bce_mask, labels.beta, strict=True)
     ):
         target = c.float()
         shifted = logit.float() - margin * (2 * target - 1)
@@ -150,7 +150,7 @@ def decider_bce_sum(decider_logits: list, labels: DepthLabels, margin: float = 0
 
 def ouro_gate_targets(loss_now: torch.Tensor, loss_next: torch.Tensor, sharpness: float = 50.0,
                       margin: float = 0.005) -> torch.Tensor:
-    """Ouro Stage II soft continue targets (spec §5): c̃ = σ(k(I − γ)), I = max(0, sg[ℓ(m) − ℓ(m+1)])."""
+    """Ouro Stage II soft continue targets: c̃ = σ(k(I − γ)), I = max(0, sg[ℓ(m) − ℓ(m+1)])."""
     improvement = (loss_now.detach().float() - loss_next.detach().float()).clamp(min=0.0)
     return torch.sigmoid(sharpness * (improvement - margin))
 

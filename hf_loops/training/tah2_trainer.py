@@ -1,4 +1,4 @@
-"""TRL SFT trainer for TaH2 with lookahead depth supervision (spec: tah2.md §4).
+"""TRL SFT trainer for TaH2 with lookahead depth supervision (docs/tah2.md, "Post-training TaH2").
 
 `TaH2SFTTrainer` overrides one seam, `compute_loss`: TRL's default path runs the backbone through a fused LM head and
 would skip the iteration loop. Per batch:
@@ -96,7 +96,7 @@ def uses_lookahead(core, args) -> bool:
         getattr(args, "lookahead", False)
         and cfg.decider == "learned"
         and cfg.max_iterations >= 2
-        and cfg.iteration_attention != "causal"  # no lookahead in causal/fixed mode (spec §4.2)
+        and cfg.iteration_attention != "causal"  # no lookahead in causal/fixed mode (no cross-iteration attention to supervise)
     )
 
 
@@ -216,7 +216,7 @@ class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         core = _unwrap(self.model)
         if getattr(core.config, "decider", None) == "exit_gate":
-            # Ouro Stage II trains the exit gate on a frozen backbone (spec §5).
+            # Ouro Stage II trains the exit gate on a frozen backbone.
             for name, p in core.named_parameters():
                 p.requires_grad_(name.startswith("decider."))
 
@@ -275,7 +275,7 @@ class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
         if self.accelerator.num_processes > 1:
             pairs = self.accelerator.reduce(pairs, reduction="sum")  # one collective for every metric
         sums = self._tah2_sums[mode]
-        for key, (num, den) in zip(keys, pairs.tolist(), strict=False):
+        for key, (num, den) in zip(keys, pairs.tolist(), strict=True):
             if key.startswith(("delta_cut@", "beta@")):  # per-batch values: mean over ranks and micro-batches
                 num, den = num / self.accelerator.num_processes, den / self.accelerator.num_processes
             old = sums.get(key, (0.0, 0.0))

@@ -1,4 +1,4 @@
-"""Token-budget batching: the paper's global batch on any process count (spec: tah2.md §9).
+"""Token-budget batching: the paper's global batch on any process count (docs/recipes.md).
 
 The TaH2 paper trains with a global batch of 128 samples per optimizer step, cut into micro-batches of at most
 16,384 tokens (≤ 32 samples each), and excludes samples longer than the 16,384-token maximum length. A fixed

@@ -18,6 +18,7 @@ import re
 import sys
 
 from ..core.errors import DEBUG_HINT  # noqa: F401  (one hint for every command)
+from ..core.loading import check_tokenizer_fits
 from ..modeling.configuration_tah2 import TAH2_PRESETS
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -406,15 +407,10 @@ def check_output_dir(path: str, overwrite: bool, resume: str | None) -> None:
 
 
 def clear_output_dir(path: str) -> None:
-    """Empty `path` (the directory itself stays: it may be `.` or a mount point)."""
-    import shutil
+    """Empty `path` (the directory itself stays: it may be `.` or a mount point; its lock stays too)."""
+    from ..core.outdir import clear_dir
 
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full)
-        else:
-            os.remove(full)
+    clear_dir(path)
     print(f"note: cleared --output-dir {path!r} (--overwrite-output-dir)", file=sys.stderr)
 
 
@@ -578,8 +574,7 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     # `seed` covers everything drawn before the Trainer seeds itself: the new modules' initialisation above all.
     set_seed(config.seed)
     model = build_model(args.base, overrides, args.dtype, seed=config.seed)
-    if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model.config.vocab_size}")
+    check_tokenizer_fits(tokenizer, model.config.vocab_size)
     if args.overwrite_output_dir and os.path.isdir(args.output_dir) and args.resume_from_checkpoint is None:
         clear_output_dir(args.output_dir)  # only now: bad input above leaves the directory as it was
     sizes = {"train": len(dataset)} | ({"eval": len(eval_dataset)} if eval_dataset is not None else {})

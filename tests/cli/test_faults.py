@@ -94,3 +94,50 @@ def test_train_full_disk_during_a_checkpoint_loses_only_that_checkpoint(data, tm
     assert [n for n in names if n.startswith("checkpoint")] == ["checkpoint-1"], names
     assert not [n for n in names if n.startswith(TMP_PREFIX)]
     assert os.path.isfile(run / "checkpoint-1" / "trainer_state.json")
+
+
+# A child `hf-loops train` that receives SIGTERM in the middle of saving checkpoint-2 (after the weights, before the RNG
+# state and trainer_state.json): Python's default action ends the process at once, as SIGKILL does.
+SIGTERM_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from transformers import Trainer
+real = Trainer._save_rng_state
+
+def save_rng_state(self, output_dir):
+    if self.state.global_step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, output_dir)
+
+Trainer._save_rng_state = save_rng_state
+from hf_loops.training.train_tah2 import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_train_sigterm_during_a_checkpoint_loses_only_that_checkpoint_and_resumes(data, tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    from hf_loops.training.checkpoints import last_complete_checkpoint
+    from hf_loops.training.train_tah2 import main
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "child.py"
+    script.write_text(SIGTERM_CHILD.format(repo=repo))
+    run = tmp_path / "run"
+    steps = ["--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=repo)
+    res = subprocess.run([sys.executable, str(script), *_argv(data, run, *steps)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == -signal.SIGTERM, res.stderr[-2000:]
+    names = sorted(os.listdir(run))
+    assert "checkpoint-1" in names and "checkpoint-2" not in names, names  # no partial checkpoint-2 is visible
+    assert last_complete_checkpoint(str(run)).endswith("checkpoint-1")
+    capsys.readouterr()
+    assert main(_argv(data, run, *steps, "--resume-from-checkpoint", "true")) == 0
+    names = sorted(os.listdir(run))
+    assert {"checkpoint-2", "checkpoint-3", "model.safetensors"} <= set(names), names
+    assert not [n for n in names if n.startswith(TMP_PREFIX)], names  # the dead run's staging folder was removed
