@@ -44,6 +44,15 @@ def check_servable(config) -> None:
         raise ValueError("TaH2 in vLLM: use_sliding_window must be False")
 
 
+def check_engine(vllm_config, name: str) -> None:
+    """Refuse the engine settings the looped models are not built for (one line each)."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(f"{name} in vLLM: only tensor_parallel_size=1 and pipeline_parallel_size=1 are supported")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError(f"{name} in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading the CPU backend's paged KV cache
 # ----------------------------------------------------------------------------------------------------------------------
@@ -280,10 +289,7 @@ class TaH2ForCausalLMvLLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("TaH2 in vLLM: only tensor_parallel_size=1 and pipeline_parallel_size=1 are supported")
-        if vllm_config.cache_config.cache_dtype != "auto":
-            raise ValueError(f"TaH2 in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
+        check_engine(vllm_config, "TaH2")
         self.config = config
         self.M = config.max_iterations
         self.model = _Backbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
@@ -454,11 +460,6 @@ class _NotServed(nn.Module):
 
     def load_weights(self, weights):
         raise NotImplementedError
-
-
-class SGTNotServed(_NotServed):
-    message = ("SGT is not served in vLLM by hf_loops (its looped heads need their own KV slots, not built yet); "
-               "use hf_loops' HF generate or transformers' server")
 
 
 class SpiralFormerNotServed(_NotServed):
