@@ -75,9 +75,23 @@ def references(tmp_path_factory):
     return out
 
 
-def make_llm(model_dir):
+# per-request depth statistics, returned as each finished request's kv_transfer_params
+STATS_CONNECTOR = {"kv_connector": "DepthStatsConnector", "kv_role": "kv_both",
+                   "kv_connector_module_path": "hf_loops.serving.vllm_stats"}
+
+
+def make_llm(model_dir, stats=True):
     return vllm.LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-                    max_num_batched_tokens=16, block_size=32, enable_prefix_caching=True, seed=0)
+                    max_num_batched_tokens=16, block_size=32, enable_prefix_caching=True, seed=0,
+                    kv_transfer_config=STATS_CONNECTOR if stats else None)
+
+
+def expected_request_statistics(depths, num_prompt, num_cached, M):
+    """Tokens per depth of the tokens vLLM ran for one request (cached prefix tokens excepted), from HF's depths."""
+    out = {}
+    for part, row in (("prompt", depths[num_cached:num_prompt]), ("output", depths[num_prompt:])):
+        out[part] = [sum(d > m for d in row) for m in range(M)]
+    return out
 
 
 def close(llm):
@@ -136,6 +150,12 @@ def test_greedy_tokens_equal_hf_generate(references, name):
     # every token vLLM ran (cached prefix tokens excepted) executed the depth HF's forward gives it
     ran = [row[o.num_cached_tokens or 0:] for row, o in zip(ref["sequence_depths"], outs, strict=False)]
     assert stats["tokens_per_depth"] == [sum(d > m for row in ran for d in row) for m in range(M)]
+    # and per request, in its output (kv_transfer_params), split into prompt and generated tokens
+    for o, row, prompt in zip(outs, ref["sequence_depths"], PROMPTS, strict=True):
+        got = o.kv_transfer_params["depth_statistics"]
+        want = expected_request_statistics(row, len(prompt), o.num_cached_tokens or 0, M)
+        assert {part: got[part]["tokens_per_depth"] for part in want} == want
+        assert got["output"]["mean_depth"] == pytest.approx(sum(want["output"]) / want["output"][0])
     assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4  # the same distribution, not only the same argmax
     assert outs[1].num_cached_tokens >= 32  # the shared prefix came from the prefix cache
 
@@ -202,11 +222,12 @@ def test_negative_control_hidden_deeper_keys(references, monkeypatch):
 
     monkeypatch.setattr(vllm_tah2.DeepPlan, "__init__", hide_deeper)
     ref = references["duo_m2"]
-    llm = make_llm(ref["model"])
+    llm = make_llm(ref["model"], stats=False)
     try:
         outs = run_staggered(llm, PROMPTS, greedy())
     finally:
         close(llm)
+    assert all(o.kv_transfer_params is None for o in outs)  # no connector: no statistics
     tokens, logprobs = tokens_and_logprobs(outs)
     assert tokens != ref["tokens"] or max_logprob_gap(logprobs, ref["logprobs"]) > 1e-2
 
@@ -241,7 +262,8 @@ def test_openai_server_chat_and_stream(references, tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref["model"], "--served-model-name",
          "tah2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "256", "--block-size", "32", "--max-num-batched-tokens", "16"],
+         "--max-model-len", "256", "--block-size", "32", "--max-num-batched-tokens", "16",
+         "--kv-transfer-config", json.dumps(STATS_CONNECTOR)],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
@@ -261,6 +283,9 @@ def test_openai_server_chat_and_stream(references, tmp_path):
         assert chat["choices"][0]["message"]["role"] == "assistant"
         assert isinstance(chat["choices"][0]["message"]["content"], str)
         assert chat["usage"]["completion_tokens"] == 8
+        stats = chat["kv_transfer_params"]["depth_statistics"]  # per request: 7 of the 8 tokens were fed back
+        assert stats["output"]["tokens_per_depth"][0] == 7
+        assert 1.0 <= stats["output"]["mean_depth"] <= 3.0 and stats["prompt"]["tokens_per_depth"][0] > 0
 
         pieces = []
         with _post(base + "/v1/completions", {"model": "tah2", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,

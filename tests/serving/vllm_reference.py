@@ -5,7 +5,9 @@ tokens (fp32) for the given prompts, plus (TaH2) every prompt's per-token execut
     python tests/serving/vllm_reference.py SPECS.json OUT_DIR
     python tests/serving/vllm_reference.py --score MODEL_DIR SEQUENCES.json OUT.json
 
---score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]).
+    python tests/serving/vllm_reference.py --time MODEL_DIR PROMPTS.json NEW_TOKENS REPEATS
+
+--time: best seconds of a greedy HF `generate` call on the prompts (the vLLM bench). --score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]).
 
 SPECS: {name: {"seed": int, "arch": "tah2" (default) | "sgt", "<arch>": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}}; each
 name gets OUT_DIR/name/model (the export) and OUT_DIR/name/expected.json (tokens, prompt_depths). Optional keys
@@ -131,8 +133,33 @@ def score(model_dir: str, sequences_path: str, out_path: str) -> None:
         json.dump(out, f)
 
 
+def time_generate(model_dir: str, prompts_path: str, new: str, repeats: str) -> None:
+    """Prints the best-of-`repeats` seconds of one greedy `generate` call on the given equal-length prompts (after
+    a warm-up call): the HF side of the vLLM bench."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_loops  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with open(prompts_path) as f:
+        ids = torch.tensor(json.load(f))
+    best = float("inf")
+    with torch.no_grad():
+        for i in range(int(repeats) + 1):
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=0)
+            if i:
+                best = min(best, time.perf_counter() - t)
+    print(best)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--score":
         score(*sys.argv[2:5])
+    elif sys.argv[1] == "--time":
+        time_generate(*sys.argv[2:6])
     else:
         main(sys.argv[1], sys.argv[2])
