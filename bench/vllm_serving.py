@@ -137,7 +137,9 @@ def main(argv=None):
         config = AutoConfig.from_pretrained(dirs["tah2"])
         llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256,
                                max_num_seqs=max(batches), enable_prefix_caching=False, seed=0,
-                               kv_transfer_config=STATS if name == "tah2" else None) for name, d in dirs.items()}
+                               kv_transfer_config=STATS) for name, d in dirs.items()}
+        # (Qwen3 too: vLLM's KV transfer group is per process, so two engines in one process both need the
+        # connector; for Qwen3 it returns nothing)
         kv = {name: llm.apply_model(kv_bytes_per_token)[0] for name, llm in llms.items()}
         for B in batches:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in all_prompts[:B]]
