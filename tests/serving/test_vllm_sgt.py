@@ -3,24 +3,18 @@ HF `generate` in fp32, under continuous batching, chunked prefill and prefix cac
 prompts of the TaH2 tests). Runs in `.venv-vllm` (`make test-vllm`); the reference side runs in the project's Python.
 """
 
-import json
-import os
-import subprocess
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
 
 from test_vllm_tah2 import (  # the shared engine settings and helpers
-    HERE,
     NEW_TOKENS,
     PROMPTS,
-    REFERENCE_PYTHON,
+    Reference,
     close,
     greedy,
     make_llm,
     max_logprob_gap,
-    reference_env,
     run_staggered,
     tokens_and_logprobs,
 )
@@ -33,22 +27,17 @@ MODELS = {
 }
 
 
+REFERENCE = Reference({name: {"seed": 10 + i, "arch": "sgt", "sgt": sgt, "qwen": QWEN, "prompts": PROMPTS,
+                              "max_new_tokens": NEW_TOKENS} for i, (name, sgt) in enumerate(MODELS.items())},
+                      "vllm_sgt")
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    if not os.path.exists(REFERENCE_PYTHON):
-        pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
-    root = tmp_path_factory.mktemp("vllm_sgt")
-    specs = {name: {"seed": 10 + i, "arch": "sgt", "sgt": sgt, "qwen": QWEN, "prompts": PROMPTS,
-                    "max_new_tokens": NEW_TOKENS}
-             for i, (name, sgt) in enumerate(MODELS.items())}
-    (root / "specs.json").write_text(json.dumps(specs))
-    subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), str(root / "specs.json"), str(root)],
-                   check=True, env=reference_env(), timeout=600, capture_output=True)
-    out = {}
-    for name in MODELS:
-        with open(root / name / "expected.json") as f:
-            out[name] = dict(json.load(f), model=str(root / name / "model"))
-    return out
+def references():
+    try:
+        yield REFERENCE.wait()
+    finally:
+        REFERENCE.cleanup()
 
 
 @pytest.mark.parametrize("name", list(MODELS))

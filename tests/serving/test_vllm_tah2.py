@@ -9,12 +9,15 @@ budget of 16 per step, prompts up to 44 tokens) and prefix caching (two prompts 
 32 tokens, so the second one hits the cache).
 """
 
+import atexit
 import gc
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -58,21 +61,57 @@ def reference_env():
     return env
 
 
+class Reference:
+    """The reference side, started in the background as soon as a test module is imported (its exports and HF
+    tokens take minutes: they overlap vLLM's start and the other module's tests); `wait()` returns its results."""
+
+    def __init__(self, specs: dict, tag: str):
+        self.names = list(specs)
+        self.proc = None
+        if not os.path.exists(REFERENCE_PYTHON):
+            return
+        self.root = tempfile.mkdtemp(prefix=f"hf_loops_{tag}_")
+        with open(os.path.join(self.root, "specs.json"), "w") as f:
+            json.dump(specs, f)
+        self.log = open(os.path.join(self.root, "reference.log"), "w")  # a file: a full pipe would stall it
+        self.proc = subprocess.Popen(
+            [REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), os.path.join(self.root, "specs.json"),
+             self.root], env=reference_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        atexit.register(self.cleanup)  # also when no test asked for it
+
+    def wait(self) -> dict:
+        if self.proc is None:
+            pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
+        self.proc.wait(timeout=900)
+        self.log.flush()
+        with open(os.path.join(self.root, "reference.log")) as f:
+            assert self.proc.returncode == 0, f"the reference side failed:\n{f.read()[-3000:]}"
+        out = {}
+        for name in self.names:
+            with open(os.path.join(self.root, name, "expected.json")) as f:
+                out[name] = dict(json.load(f), model=os.path.join(self.root, name, "model"))
+        return out
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.proc = None
+
+
+REFERENCE = Reference({name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
+                       for i, (name, tah2) in enumerate(MODELS.items())}, "vllm_tah2")
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    if not os.path.exists(REFERENCE_PYTHON):
-        pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
-    root = tmp_path_factory.mktemp("vllm_tah2")
-    specs = {name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
-             for i, (name, tah2) in enumerate(MODELS.items())}
-    (root / "specs.json").write_text(json.dumps(specs))
-    subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), str(root / "specs.json"), str(root)],
-                   check=True, env=reference_env(), timeout=600, capture_output=True)
-    out = {}
-    for name in MODELS:
-        with open(root / name / "expected.json") as f:
-            out[name] = dict(json.load(f), model=str(root / name / "model"))
-    return out
+def references():
+    try:
+        yield REFERENCE.wait()
+    finally:
+        REFERENCE.cleanup()
 
 
 # per-request depth statistics, returned as each finished request's kv_transfer_params
