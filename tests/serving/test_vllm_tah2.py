@@ -367,3 +367,16 @@ def test_huginn_and_ouro_stage2_refused():
         with pytest.raises(ValueError, match=what):
             check_servable(TaH2Config(**small, **TAH2_PRESETS[preset]))
     check_servable(TaH2Config(**small, **TAH2_PRESETS["tah2-fixed"]))  # served
+
+
+def test_spiralformer_refused_at_load(tmp_path):
+    """`vllm.LLM(model=<a SpiralFormer export>)` fails with the plugin's one-line reason, not vLLM's generic error."""
+    from hf_loops.modeling.configuration_spiralformer import SpiralFormerConfig
+
+    SpiralFormerConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       architectures=["SpiralFormerForCausalLM"]).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(REPO, "hf_loops", "data", "base", name), tmp_path)
+    with pytest.raises(ValueError, match="^SpiralFormer is not served in vLLM by hf_loops .*chunk latents"):
+        vllm.LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=256)
