@@ -62,7 +62,7 @@ endif
 
 test-vllm: $(VLLM_STAMP) $(VLLM_REF_DEP)
 	VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_LOOPS_REFERENCE_PYTHON=$(VLLM_REF_PY) \
-		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/serving/test_vllm_tah2.py
+		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/serving/test_vllm_tah2.py tests/serving/test_vllm_sgt.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check hf_loops tests bench examples

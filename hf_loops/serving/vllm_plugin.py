@@ -1,4 +1,4 @@
-"""vLLM general plugin (entry point group `vllm.general_plugins`): registers TaH2 with vLLM's model registry.
+"""vLLM general plugin (entry point group `vllm.general_plugins`): registers TaH2 and SGT with vLLM's model registry.
 
 vLLM calls `register()` in every process it starts, so it must be idempotent and cheap; the model class is given by
 its import path (vLLM imports it lazily) and the configuration class is registered with `AutoConfig` (importing
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 MODELS = {
     "TaH2ForCausalLM": "hf_loops.serving.vllm_tah2:TaH2ForCausalLMvLLM",
+    "SGTForCausalLM": "hf_loops.serving.vllm_sgt:SGTForCausalLMvLLM",
     # recognised, refused in one line (what to use instead)
-    "SGTForCausalLM": "hf_loops.serving.vllm_tah2:SGTNotServed",
     "SpiralFormerForCausalLM": "hf_loops.serving.vllm_tah2:SpiralFormerNotServed",
 }
 

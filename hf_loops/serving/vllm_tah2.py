@@ -28,6 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from hf_loops.modeling.configuration_tah2 import TaH2Config
 from hf_loops.modeling.modeling_tah2 import TaH2Decider, TaH2Updater
+from hf_loops.serving import vllm_stats
 
 __all__ = ["TaH2Config", "TaH2ForCausalLMvLLM", "check_servable"]
 
@@ -42,6 +43,15 @@ def check_servable(config) -> None:
                          "use hf_loops' HF generate for it")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("TaH2 in vLLM: use_sliding_window must be False")
+
+
+def check_engine(vllm_config, name: str) -> None:
+    """Refuse the engine settings the looped models are not built for (one line each)."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(f"{name} in vLLM: only tensor_parallel_size=1 and pipeline_parallel_size=1 are supported")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError(f"{name} in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -81,6 +91,19 @@ class PagedLayout:
                 raise ValueError(f"TaH2 in vLLM: unsupported KV cache layout for isa {isa!r} (probe not a bijection)")
             index.append(flat)
         self.key_index, self.value_index = index  # (bs, H, D) flat offsets inside one block
+        self.key_strides, self.value_strides = (self._affine(i) for i in index)
+
+    @staticmethod
+    def _affine(index):
+        """(offset, (stride_o, stride_h, stride_d)) when the flat offsets are a strided view of the block, else None
+        (then reads gather element by element)."""
+        bs, H, D = index.shape
+        base = int(index[0, 0, 0])
+        strides = tuple(int(index[tuple(1 if j == i else 0 for j in range(3))]) - base if n > 1 else 0
+                        for i, n in enumerate((bs, H, D)))
+        grid = torch.meshgrid(torch.arange(bs), torch.arange(H), torch.arange(D), indexing="ij")
+        affine = base + sum(g * st for g, st in zip(grid, strides, strict=True))
+        return (base, strides) if torch.equal(affine, index) else None
 
     def _write(self, cache, key, value, slots):
         nb, H, bs, _ = cache.shape
@@ -92,13 +115,19 @@ class PagedLayout:
         self._write(cache, key.contiguous(), value.contiguous(), slots)
 
     def read(self, cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n,) slots → keys, values (n, H, D)."""
-        flat = cache.view(cache.shape[0], -1)
+        """(n,) slots → keys, values (n, H, D), reading only those elements (not their whole blocks): through a
+        strided (block, offset, head, dim) view of the cache where the layout is one, else by flat offsets."""
         block, offset = slots // self.block_size, slots % self.block_size
-        rows = flat.index_select(0, block)
-        k = torch.gather(rows, 1, self.key_index[offset].flatten(1)).view_as(self.key_index[offset])
-        v = torch.gather(rows, 1, self.value_index[offset].flatten(1)).view_as(self.value_index[offset])
-        return k, v
+        nb, numel = cache.shape[0], cache[0].numel()
+        out = []
+        for index, affine in ((self.key_index, self.key_strides), (self.value_index, self.value_strides)):
+            if affine is not None:
+                base, (so, sh, sd) = affine
+                view = cache.as_strided((nb, *index.shape), (numel, so, sh, sd), cache.storage_offset() + base)
+                out.append(view[block, offset])
+            else:
+                out.append(cache.view(-1)[(block * numel)[:, None, None] + index[offset]])
+        return out[0], out[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -280,10 +309,7 @@ class TaH2ForCausalLMvLLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("TaH2 in vLLM: only tensor_parallel_size=1 and pipeline_parallel_size=1 are supported")
-        if vllm_config.cache_config.cache_dtype != "auto":
-            raise ValueError(f"TaH2 in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
+        check_engine(vllm_config, "TaH2")
         self.config = config
         self.M = config.max_iterations
         self.model = _Backbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
@@ -297,6 +323,9 @@ class TaH2ForCausalLMvLLM(nn.Module):
         self.dtype = vllm_config.model_config.dtype
         # tokens run at each depth since the last reset (real steps only): mean depth and continue rates
         self.depth_counts = torch.zeros(self.M, dtype=torch.long)
+        # per request, returned with the finished request by the depth-statistics connector (when it is configured)
+        self.request_statistics = vllm_stats.enabled(vllm_config)
+        self._runner = None
 
     # -- vLLM's interface ----------------------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -342,6 +371,10 @@ class TaH2ForCausalLMvLLM(nn.Module):
                 plan = DeepPlan(self.config.iteration_attention, m, tokens, positions, meta, self.runtime.marker,
                                 self.runtime.block_size)
             h = self.model.run(x, positions[tokens], m, plan, self.runtime)
+        if meta is not None and self.request_statistics:
+            if self._runner is None:
+                self._runner = vllm_stats.current_runner()
+            vllm_stats.record(self._runner, meta, positions, depth, M)
         log_w = self._mixture_weights(log_w, depth)
         return torch.cat([hidden.flatten(1), log_w], dim=1)
 
@@ -456,11 +489,6 @@ class _NotServed(nn.Module):
         raise NotImplementedError
 
 
-class SGTNotServed(_NotServed):
-    message = ("SGT is not served in vLLM by hf_loops (its looped heads need their own KV slots, not built yet); "
-               "use hf_loops' HF generate or transformers' server")
-
-
 class SpiralFormerNotServed(_NotServed):
-    message = ("SpiralFormer is not served in vLLM by hf_loops (its multi-resolution loop has no vLLM model yet); "
-               "use hf_loops' HF generate or transformers' server")
+    message = ("SpiralFormer is not served in vLLM by hf_loops (its loop attends over chunk latents, which vLLM's "
+               "per-token paged KV cache cannot hold); use hf_loops' HF generate or transformers' server")

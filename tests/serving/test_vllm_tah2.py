@@ -9,12 +9,15 @@ budget of 16 per step, prompts up to 44 tokens) and prefix caching (two prompts 
 32 tokens, so the second one hits the cache).
 """
 
+import atexit
 import gc
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -58,26 +61,76 @@ def reference_env():
     return env
 
 
+class Reference:
+    """The reference side, started in the background as soon as a test module is imported (its exports and HF
+    tokens take minutes: they overlap vLLM's start and the other module's tests); `wait()` returns its results."""
+
+    def __init__(self, specs: dict, tag: str):
+        self.names = list(specs)
+        self.proc = None
+        if not os.path.exists(REFERENCE_PYTHON):
+            return
+        self.root = tempfile.mkdtemp(prefix=f"hf_loops_{tag}_")
+        with open(os.path.join(self.root, "specs.json"), "w") as f:
+            json.dump(specs, f)
+        self.log = open(os.path.join(self.root, "reference.log"), "w")  # a file: a full pipe would stall it
+        self.proc = subprocess.Popen(
+            [REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), os.path.join(self.root, "specs.json"),
+             self.root], env=reference_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        atexit.register(self.cleanup)  # also when no test asked for it
+
+    def wait(self) -> dict:
+        if self.proc is None:
+            pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
+        self.proc.wait(timeout=900)
+        self.log.flush()
+        with open(os.path.join(self.root, "reference.log")) as f:
+            assert self.proc.returncode == 0, f"the reference side failed:\n{f.read()[-3000:]}"
+        out = {}
+        for name in self.names:
+            with open(os.path.join(self.root, name, "expected.json")) as f:
+                out[name] = dict(json.load(f), model=os.path.join(self.root, name, "model"))
+        return out
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.proc = None
+
+
+REFERENCE = Reference({name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
+                       for i, (name, tah2) in enumerate(MODELS.items())}, "vllm_tah2")
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    if not os.path.exists(REFERENCE_PYTHON):
-        pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
-    root = tmp_path_factory.mktemp("vllm_tah2")
-    specs = {name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
-             for i, (name, tah2) in enumerate(MODELS.items())}
-    (root / "specs.json").write_text(json.dumps(specs))
-    subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), str(root / "specs.json"), str(root)],
-                   check=True, env=reference_env(), timeout=600, capture_output=True)
-    out = {}
-    for name in MODELS:
-        with open(root / name / "expected.json") as f:
-            out[name] = dict(json.load(f), model=str(root / name / "model"))
-    return out
+def references():
+    try:
+        yield REFERENCE.wait()
+    finally:
+        REFERENCE.cleanup()
 
 
-def make_llm(model_dir):
+# per-request depth statistics, returned as each finished request's kv_transfer_params
+STATS_CONNECTOR = {"kv_connector": "DepthStatsConnector", "kv_role": "kv_both",
+                   "kv_connector_module_path": "hf_loops.serving.vllm_stats"}
+
+
+def make_llm(model_dir, stats=True):
     return vllm.LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-                    max_num_batched_tokens=16, block_size=32, enable_prefix_caching=True, seed=0)
+                    max_num_batched_tokens=16, block_size=32, enable_prefix_caching=True, seed=0,
+                    kv_transfer_config=STATS_CONNECTOR if stats else None)
+
+
+def expected_request_statistics(depths, num_prompt, num_cached, M):
+    """Tokens per depth of the tokens vLLM ran for one request (cached prefix tokens excepted), from HF's depths."""
+    out = {}
+    for part, row in (("prompt", depths[num_cached:num_prompt]), ("output", depths[num_prompt:])):
+        out[part] = [sum(d > m for d in row) for m in range(M)]
+    return out
 
 
 def close(llm):
@@ -136,6 +189,12 @@ def test_greedy_tokens_equal_hf_generate(references, name):
     # every token vLLM ran (cached prefix tokens excepted) executed the depth HF's forward gives it
     ran = [row[o.num_cached_tokens or 0:] for row, o in zip(ref["sequence_depths"], outs, strict=False)]
     assert stats["tokens_per_depth"] == [sum(d > m for row in ran for d in row) for m in range(M)]
+    # and per request, in its output (kv_transfer_params), split into prompt and generated tokens
+    for o, row, prompt in zip(outs, ref["sequence_depths"], PROMPTS, strict=True):
+        got = o.kv_transfer_params["depth_statistics"]
+        want = expected_request_statistics(row, len(prompt), o.num_cached_tokens or 0, M)
+        assert {part: got[part]["tokens_per_depth"] for part in want} == want
+        assert got["output"]["mean_depth"] == pytest.approx(sum(want["output"]) / want["output"][0])
     assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4  # the same distribution, not only the same argmax
     assert outs[1].num_cached_tokens >= 32  # the shared prefix came from the prefix cache
 
@@ -202,11 +261,12 @@ def test_negative_control_hidden_deeper_keys(references, monkeypatch):
 
     monkeypatch.setattr(vllm_tah2.DeepPlan, "__init__", hide_deeper)
     ref = references["duo_m2"]
-    llm = make_llm(ref["model"])
+    llm = make_llm(ref["model"], stats=False)
     try:
         outs = run_staggered(llm, PROMPTS, greedy())
     finally:
         close(llm)
+    assert all(o.kv_transfer_params is None for o in outs)  # no connector: no statistics
     tokens, logprobs = tokens_and_logprobs(outs)
     assert tokens != ref["tokens"] or max_logprob_gap(logprobs, ref["logprobs"]) > 1e-2
 
@@ -241,7 +301,8 @@ def test_openai_server_chat_and_stream(references, tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref["model"], "--served-model-name",
          "tah2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "256", "--block-size", "32", "--max-num-batched-tokens", "16"],
+         "--max-model-len", "256", "--block-size", "32", "--max-num-batched-tokens", "16",
+         "--kv-transfer-config", json.dumps(STATS_CONNECTOR)],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
@@ -261,6 +322,9 @@ def test_openai_server_chat_and_stream(references, tmp_path):
         assert chat["choices"][0]["message"]["role"] == "assistant"
         assert isinstance(chat["choices"][0]["message"]["content"], str)
         assert chat["usage"]["completion_tokens"] == 8
+        stats = chat["kv_transfer_params"]["depth_statistics"]  # per request: 7 of the 8 tokens were fed back
+        assert stats["output"]["tokens_per_depth"][0] == 7
+        assert 1.0 <= stats["output"]["mean_depth"] <= 3.0 and stats["prompt"]["tokens_per_depth"][0] > 0
 
         pieces = []
         with _post(base + "/v1/completions", {"model": "tah2", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,
@@ -281,7 +345,7 @@ def test_openai_server_chat_and_stream(references, tmp_path):
         log.close()
 
 
-def test_plugin_registration_is_idempotent_and_refuses_sgt_spiralformer():
+def test_plugin_registration_is_idempotent_and_refuses_spiralformer():
     from vllm import ModelRegistry
 
     from hf_loops.serving import vllm_plugin, vllm_tah2
@@ -289,9 +353,8 @@ def test_plugin_registration_is_idempotent_and_refuses_sgt_spiralformer():
     vllm_plugin.register()
     vllm_plugin.register()  # vLLM calls it in every process; a second call changes nothing
     assert {"TaH2ForCausalLM", "SGTForCausalLM", "SpiralFormerForCausalLM"} <= set(ModelRegistry.get_supported_archs())
-    for refused, name in ((vllm_tah2.SGTNotServed, "SGT"), (vllm_tah2.SpiralFormerNotServed, "SpiralFormer")):
-        with pytest.raises(ValueError, match=f"^{name} is not served in vLLM.*use hf_loops' HF generate"):
-            refused(vllm_config=None)
+    with pytest.raises(ValueError, match="^SpiralFormer is not served in vLLM.*use hf_loops' HF generate"):
+        vllm_tah2.SpiralFormerNotServed(vllm_config=None)
 
 
 def test_huginn_and_ouro_stage2_refused():
@@ -304,3 +367,16 @@ def test_huginn_and_ouro_stage2_refused():
         with pytest.raises(ValueError, match=what):
             check_servable(TaH2Config(**small, **TAH2_PRESETS[preset]))
     check_servable(TaH2Config(**small, **TAH2_PRESETS["tah2-fixed"]))  # served
+
+
+def test_spiralformer_refused_at_load(tmp_path):
+    """`vllm.LLM(model=<a SpiralFormer export>)` fails with the plugin's one-line reason, not vLLM's generic error."""
+    from hf_loops.modeling.configuration_spiralformer import SpiralFormerConfig
+
+    SpiralFormerConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       architectures=["SpiralFormerForCausalLM"]).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(REPO, "hf_loops", "data", "base", name), tmp_path)
+    with pytest.raises(ValueError, match="^SpiralFormer is not served in vLLM by hf_loops .*chunk latents"):
+        vllm.LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=256)

@@ -1,13 +1,15 @@
 """Reference side of the vLLM tests, run with the project's own Python (transformers >= 5.24, where TaH2's HF forward
-runs): builds a tiny random TaH2, saves it with the embedded base's tokenizer, and writes our HF `generate`'s greedy
-tokens (fp32) for the given prompts, plus every prompt's per-token executed depths.
+runs): builds a tiny random TaH2 (or SGT), saves it with the embedded base's tokenizer, and writes our HF `generate`'s greedy
+tokens (fp32) for the given prompts, plus (TaH2) every prompt's per-token executed depths.
 
     python tests/serving/vllm_reference.py SPECS.json OUT_DIR
     python tests/serving/vllm_reference.py --score MODEL_DIR SEQUENCES.json OUT.json
 
---score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]).
+    python tests/serving/vllm_reference.py --time MODEL_DIR PROMPTS.json NEW_TOKENS REPEATS
 
-SPECS: {name: {"seed": int, "tah2": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}}; each
+--time: best seconds of a greedy HF `generate` call on the prompts (the vLLM bench). --score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]).
+
+SPECS: {name: {"seed": int, "arch": "tah2" (default) | "sgt", "<arch>": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}}; each
 name gets OUT_DIR/name/model (the export) and OUT_DIR/name/expected.json (tokens, prompt_depths). Optional keys
 (the vLLM bench): "qwen" (Qwen3 config overrides), "decider_std" (score weights' std, default 3), "save_base" (also
 save the Qwen3 the TaH2 was converted from, to OUT_DIR/name/base).
@@ -40,8 +42,9 @@ def build(spec: dict, out_dir: str):
     qwen = Qwen3ForCausalLM(Qwen3Config(**dict(QWEN, **spec.get("qwen", {})))).eval()
     with torch.no_grad():  # a sharper next-token distribution: greedy argmax far from ties
         qwen.lm_head.weight.mul_(4.0)
-    model = convert_qwen3(qwen, "tah2", **spec.get("tah2", {})).eval()
-    if model.decider is not None:  # g far from τ: float noise between two exact computations cannot flip a decision
+    arch = spec.get("arch", "tah2")
+    model = convert_qwen3(qwen, arch, **spec.get(arch, {})).eval()
+    if getattr(model, "decider", None) is not None:  # g far from τ: float noise between two exact computations cannot flip a decision
         with torch.no_grad():
             torch.manual_seed(seed + 1)
             model.decider.score.weight.normal_(0.0, spec.get("decider_std", 3.0))
@@ -66,11 +69,12 @@ def main(spec_path: str, out_root: str) -> None:
 
 def reference(spec: dict, out_dir: str) -> None:
     model = build(spec, out_dir)
+    arch = spec.get("arch", "tah2")
     model_dir = os.path.join(out_dir, "model")
     model.save_pretrained(model_dir)
     copy_tokenizer(model_dir)
     model.generation_config.eos_token_id = None  # fixed-length outputs (vLLM side: ignore_eos)
-    outputs, logprobs, prompt_depths, sequence_depths = [], [], [], []
+    outputs, logprobs, prompt_depths, sequence_depths, no_loop_tokens = [], [], [], [], []
     with torch.no_grad():
         for ids in spec["prompts"]:
             x = torch.tensor([ids])
@@ -79,14 +83,36 @@ def reference(spec: dict, out_dir: str) -> None:
             tokens = out.sequences[0, len(ids):].tolist()
             outputs.append(tokens)
             # scores = the mixture's log-probabilities log q (no logits processor under greedy decoding)
-            logprobs.append([float(step[0, t]) for step, t in zip(out.scores, tokens, strict=False)])
+            # (log_softmax: SGT's scores are raw logits; for TaH2 it leaves log q as it is)
+            logprobs.append([float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in
+                             zip(out.scores, tokens, strict=False)])
+            if arch == "sgt":  # static loops, no per-token depth; the tokens without the loops (they must differ)
+                no_loop_tokens.append(generate_without_loops(model, x, spec["max_new_tokens"]))
+                continue
             prompt_depths.append(model(x, use_cache=False).iter_counts[0].tolist())
             # depths of every token vLLM feeds the model: the prompt and all generated tokens but the last
             fed = torch.tensor([ids + tokens[:-1]])
             sequence_depths.append(model(fed, use_cache=False).iter_counts[0].tolist())
     with open(os.path.join(out_dir, "expected.json"), "w") as f:
         json.dump({"tokens": outputs, "logprobs": logprobs, "prompt_depths": prompt_depths,
-                   "sequence_depths": sequence_depths}, f)
+                   "sequence_depths": sequence_depths, "no_loop_tokens": no_loop_tokens}, f)
+
+
+def generate_without_loops(model, x, max_new_tokens):
+    """SGT's greedy tokens with every loop switched off (the plain Qwen3 it was converted from)."""
+    layers = model.model.layers
+    saved = [(layer.loop_heads, layer.loop_depth) for layer in layers]
+    block = model.config.block_loop_depth
+    for layer in layers:
+        layer.loop_depth = 0
+    model.config.block_loop_depth = 0
+    try:
+        out = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        for layer, (heads, depth) in zip(layers, saved, strict=True):
+            layer.loop_heads, layer.loop_depth = heads, depth
+        model.config.block_loop_depth = block
+    return out[0, x.shape[1]:].tolist()
 
 
 def score(model_dir: str, sequences_path: str, out_path: str) -> None:
@@ -107,8 +133,33 @@ def score(model_dir: str, sequences_path: str, out_path: str) -> None:
         json.dump(out, f)
 
 
+def time_generate(model_dir: str, prompts_path: str, new: str, repeats: str) -> None:
+    """Prints the best-of-`repeats` seconds of one greedy `generate` call on the given equal-length prompts (after
+    a warm-up call): the HF side of the vLLM bench."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_loops  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with open(prompts_path) as f:
+        ids = torch.tensor(json.load(f))
+    best = float("inf")
+    with torch.no_grad():
+        for i in range(int(repeats) + 1):
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=0)
+            if i:
+                best = min(best, time.perf_counter() - t)
+    print(best)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--score":
         score(*sys.argv[2:5])
+    elif sys.argv[1] == "--time":
+        time_generate(*sys.argv[2:6])
     else:
         main(sys.argv[1], sys.argv[2])

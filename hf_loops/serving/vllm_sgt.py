@@ -1,0 +1,173 @@
+"""SGT (Sparse Growing Transformer on Qwen3) as a vLLM model, for vLLM's CPU backend.
+
+SGT's loop structure is static (the config's `loop_plan`, or the Block Loop baseline's `block_loop_layers`), so every
+token runs the same passes and each pass is a plain causal attention over the whole sequence:
+
+* head loops (`loop_mode="heads"`): layer l's attention sub-layer is re-applied `depth` extra times, each loop
+  re-reading the stream the previous one updated; only the kept heads' outputs enter W_O (the others have gate 0);
+* Block Loop (`loop_mode="block"`): the whole block of a listed layer is applied `1 + block_loop_depth` times.
+
+Every extra attention call is one of vLLM's own `Attention` layers with its own paged KV slot (same block table as
+the base pass), so vLLM's kernels, continuous batching, chunked prefill and prefix caching apply as for any model.
+A head loop runs every head through the kernel and keeps the kept heads' outputs: every slot then has the base
+layer's KV shape (one KV cache spec for the whole model, which vLLM's allocator needs), at the price of computing
+the dropped heads too (a sliced kernel call would need slots of other shapes).
+
+Only SGT's configuration is imported from hf_loops (it imports under the transformers version vLLM pins); the
+backbone is written here on plain torch layers with Qwen3's weight names (SGT adds no parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from hf_loops.modeling.configuration_sgt import SGTConfig
+from hf_loops.serving.vllm_tah2 import _MLP, check_engine
+
+__all__ = ["SGTConfig", "SGTForCausalLMvLLM", "loop_passes"]
+
+
+def loop_passes(config) -> list[tuple[int, list[int] | None]]:
+    """Per layer: (number of extra passes, kept heads of a head loop or None for a Block Loop repeat)."""
+    passes = [(0, None)] * config.num_hidden_layers
+    if config.loop_mode == "block":
+        for layer in config.block_loop_layers or []:
+            passes[layer] = (config.block_loop_depth, None)
+    else:
+        for entry in config.loop_plan or []:
+            passes[entry["layer"]] = (entry["depth"], list(entry["heads"]))
+    return passes
+
+
+class _SGTAttention(nn.Module):
+    def __init__(self, config, extra: int, cache_config, prefix: str):
+        super().__init__()
+        from vllm.model_executor.layers.attention import Attention
+
+        self.H, self.Hkv = config.num_attention_heads, config.num_key_value_heads
+        self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
+        d, bias = config.hidden_size, config.attention_bias
+        self.scaling = self.D ** -0.5
+        self.q_proj = nn.Linear(d, self.H * self.D, bias=bias)
+        self.k_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
+        self.v_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
+        self.o_proj = nn.Linear(self.H * self.D, d, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
+        # call 0: the base pass; call k ≥ 1: the k-th head loop or Block Loop repeat, each with its own KV slot
+        self.attn = nn.ModuleList(
+            Attention(self.H, self.D, self.scaling, num_kv_heads=self.Hkv, cache_config=cache_config,
+                      prefix=f"{prefix}.attn" if k == 0 else f"{prefix}.attn_loop{k}")
+            for k in range(1 + extra))
+
+    def forward(self, x, cos, sin, call: int, heads: list[int] | None = None):
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.H, self.D)).transpose(0, 1)[None]
+        k = self.k_norm(self.k_proj(x).view(n, self.Hkv, self.D)).transpose(0, 1)[None]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q = q[0].transpose(0, 1).reshape(n, -1).contiguous()
+        k = k[0].transpose(0, 1).reshape(n, -1).contiguous()
+        out = self.attn[call](q, k, self.v_proj(x).contiguous())
+        if heads is None:
+            return self.o_proj(out)
+        # a head loop: only the kept heads' outputs enter W_O (column slice of the shared weight)
+        cols = self._columns(heads, out.device)
+        return F.linear(out.index_select(1, cols), self.o_proj.weight.index_select(1, cols), self.o_proj.bias)
+
+    def _columns(self, heads, device):
+        key = (tuple(heads), str(device))
+        if getattr(self, "_cols_key", None) != key:
+            self._cols = torch.tensor([h * self.D + i for h in heads for i in range(self.D)], device=device)
+            self._cols_key = key
+        return self._cols
+
+
+class _SGTDecoderLayer(nn.Module):
+    def __init__(self, config, extra: int, heads, block: bool, cache_config, prefix):
+        super().__init__()
+        self.extra, self.heads, self.block = extra, heads, block
+        self.self_attn = _SGTAttention(config, extra, cache_config, f"{prefix}.self_attn")
+        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def _block(self, x, cos, sin, call):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, call)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin):
+        if self.block:  # Block Loop: the whole block again, one KV slot per repeat
+            for call in range(1 + self.extra):
+                x = self._block(x, cos, sin, call)
+            return x
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, 0)
+        for k in range(1, self.extra + 1):  # head loops re-read the stream they update; the MLP runs once, after
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, k, self.heads)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _SGTBackbone(nn.Module):
+    def __init__(self, config, cache_config, prefix):
+        super().__init__()
+        block = config.loop_mode == "block"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            _SGTDecoderLayer(config, extra, heads, block, cache_config, f"{prefix}.layers.{i}")
+            for i, (extra, heads) in enumerate(loop_passes(config)))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def forward(self, x, positions):
+        cos, sin = self.rotary_emb(x[None], positions[None])
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+def check_sgt_servable(config) -> None:
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("SGT in vLLM: use_sliding_window must be False")
+
+
+class SGTForCausalLMvLLM(nn.Module):
+    """vLLM model class for `SGTForCausalLM` checkpoints (tensor parallel size 1)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_sgt_servable(config)
+        check_engine(vllm_config, "SGT")
+        self.config = config
+        self.model = _SGTBackbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.model(e, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"SGT in vLLM: unexpected weight {name!r} in the checkpoint")
+            with torch.no_grad():
+                params[name].copy_(tensor.to(params[name].dtype))
+            loaded.add(name)
+        loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
+        return loaded
