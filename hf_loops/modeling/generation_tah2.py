@@ -365,7 +365,7 @@ class _Compact:
             self._running[n] = torch.ones(n, dtype=torch.bool, device=self.e.device)
         return self._running[n]
 
-    def select(self, keep: torch.Tensor, kv: "_StepKV") -> None:
+    def select(self, keep: torch.Tensor, kv: _StepKV) -> None:
         """Keep the rows `keep` (indices into the current rows), here and in the key/value buffers."""
         for name in ("e", "x", "q_pos", "q_stream", "remaining", "log_mix"):
             setattr(self, name, getattr(self, name).index_select(0, keep))
