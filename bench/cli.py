@@ -11,7 +11,7 @@ import time
 import torch
 
 from . import compiled, spiral, tah2_decode, tah2_generate, train_memory, train_steps
-from .common import SIZES, WORKLOADS, Ctx
+from .common import SIZES, WORKLOADS, Ctx, set_clock
 from .report import eprint, markdown, settings, write
 
 GROUPS = {
@@ -38,6 +38,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                              "a leading '-' drops, e.g. --rows=-compile")
     p.add_argument("--repeats", type=int, default=None, help="override the workload's best-of-N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: os.cpu_count())")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall (default) | cpu: process CPU time, for a CPU shared with other jobs (with --threads 1 it "
+                        "leaves out the time slices other jobs get; cpu device only)")
     p.add_argument("--attn", default="auto", help="auto (flash_attention_2 on cuda when installed, else sdpa) | "
                                                   "sdpa | eager | flash_attention_2 | flex_attention")
     p.add_argument("--compile-sizes", default=None, help="sizes of the torch.compile rows (default: the last of "
@@ -61,6 +64,9 @@ def make_ctx(args: argparse.Namespace) -> tuple[Ctx, list[str]]:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
+    if args.clock == "cpu" and cuda:
+        raise SystemExit("--clock cpu: only with --device cpu (a GPU's time is not this process's CPU time)")
+    set_clock(args.clock)
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     rows = tuple(r for r in args.rows.split(",") if r)
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> list:
     rank = {s: i for i, s in enumerate(sizes)}  # a group may add a size of its own (tah2-generate: 768x6) after them
     rows.sort(key=lambda r: (order.index(r.id), rank.get(r.size, len(sizes))))  # a row's sizes side by side
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    meta["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     stem = args.stem or (args.device if args.group == "all" and not args.quick and not ctx.rows
                          else f"{args.device}-{args.group}" + ("-quick" if args.quick else ""))
     json_path, md_path = write(rows, meta, args.out, stem)

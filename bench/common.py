@@ -120,6 +120,27 @@ def error_row(row_id: str, name: str, size: str, goal: str, exc: BaseException |
 # timing
 
 
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = {"fn": time.perf_counter}
+
+
+def set_clock(name: str) -> None:
+    """"wall" (perf_counter) or "cpu" (this process's CPU time, all threads): on a CPU shared with other jobs, CPU time
+    at one thread does not count the slices the scheduler gives to others, which wall time does."""
+    if name not in _CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(_CLOCKS)}, got {name!r}")
+    _clock["fn"] = _CLOCKS[name]
+
+
+def clock_name() -> str:
+    return next(name for name, fn in _CLOCKS.items() if fn is _clock["fn"])
+
+
+def now() -> float:
+    """The run's clock (see `set_clock`)."""
+    return _clock["fn"]()
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -128,26 +149,35 @@ def sync(device: str) -> None:
 def timed(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
     """(seconds, result) of one call, the device synchronised on both sides."""
     sync(device)
-    t0 = time.perf_counter()
+    t0 = now()
     out = fn()
     sync(device)
-    return time.perf_counter() - t0, out
+    return now() - t0, out
 
 
 def interleaved_best(fns: dict[str, Callable[[], tuple[float, Any]]], repeats: int,
-                     warmups: dict[str, Callable[[], Any]] | None = None) -> dict[str, tuple[float, Any]]:
+                     warmups: dict[str, Callable[[], Any]] | None = None,
+                     all_seconds: dict[str, list[float]] | None = None) -> dict[str, tuple[float, Any]]:
     """Best (seconds, payload) of each callable: one warm-up call each (`warmups[key]` when given, e.g. a short
     decode; else the callable itself), then `repeats` rounds that call every callable once in turn, so machine noise
-    hits them alike. Each callable times itself (e.g. the decode loop without the prefill)."""
+    hits them alike. Each callable times itself (e.g. the decode loop without the prefill). `all_seconds`, when given,
+    receives every repeat's seconds per key (the spread between repeats)."""
     for key, fn in fns.items():
         (warmups or {}).get(key, fn)()
     best: dict[str, tuple[float, Any]] = {}
     for _ in range(max(1, repeats)):
         for key, fn in fns.items():
             secs, payload = fn()
+            if all_seconds is not None:
+                all_seconds.setdefault(key, []).append(secs)
             if key not in best or secs < best[key][0]:
                 best[key] = (secs, payload)
     return best
+
+
+def spread(seconds: list[float]) -> float:
+    """Slowest ÷ fastest repeat − 1 (0 for a single repeat)."""
+    return max(seconds) / min(seconds) - 1.0 if seconds else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import asdict
 import torch
 import transformers
 
-from .common import SIZES, Ctx, Row, num_params
+from .common import SIZES, Ctx, Row, clock_name, num_params
 
 
 def settings(ctx: Ctx, sizes: list[str], argv: list[str]) -> dict:
@@ -34,6 +34,7 @@ def settings(ctx: Ctx, sizes: list[str], argv: list[str]) -> dict:
         "workload": asdict(ctx.workload),
         "sizes": {name: {**asdict(SIZES[name]), "params": num_params(SIZES[name])} for name in sizes},
         "method": "ratios side by side in one run: same weights, one warm-up, interleaved repeats, best of N",
+        "clock": clock_name(), "load_avg_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -49,7 +50,9 @@ def markdown(rows: list[Row], meta: dict) -> str:
     head = (f"{meta['device']}, {meta['dtype']}, {meta['threads']} threads, torch {meta['torch']}, transformers "
             f"{meta['transformers']}; sizes {sizes}; decode prompt {w['prompt']} + {w['new']} new tokens, training "
             f"batch {w['train_batch']} × {w['train_seq']}, SpiralFormer L = {w['spiral_seq']}; best of "
-            f"{w['repeats']} interleaved repeats after one warm-up" + (" (--quick)" if meta["quick"] else ""))
+            f"{w['repeats']} interleaved repeats after one warm-up" + (" (--quick)" if meta["quick"] else "")
+            + f"; clock {meta.get('clock', 'wall')}; load average {meta.get('load_avg_start', ['?'])[0]} at the start"
+            + (f", {meta['load_avg_end'][0]} at the end" if "load_avg_end" in meta else ""))
     lines = [head, "", "| row | size | goal | measured | met? | note |", "|---|---|---|---|---|---|"]
     for r in rows:
         note = r.note.replace("|", "/")

@@ -13,13 +13,11 @@ depths each run realised (the FLOPs bound: 1.0 means the time is what the spec's
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from hf_loops.analysis.flops_tah2 import decode_flops_standard, decode_flops_tah2
 
-from .common import SIZES, Ctx, Row, Size, error_row, interleaved_best, judged, random_ids, sync
+from .common import SIZES, Ctx, Row, Size, error_row, interleaved_best, judged, now, random_ids, spread, sync
 from .tah2_decode import M, build_models, calibrate_tau
 
 # The second shape: hidden 768, 6 layers, vocabulary 16k (run next to the 100m size).
@@ -40,7 +38,7 @@ def timed_generate(model, ids: torch.Tensor, new: int, device: str, seed: int, *
         out = prefill(*args, **kwargs)
         sync(device)
         marks["prompt_depths"] = out.iter_counts.cpu()
-        marks["t0"] = time.perf_counter()
+        marks["t0"] = now()
         return out
 
     model._prefill = timed_prefill
@@ -50,7 +48,7 @@ def timed_generate(model, ids: torch.Tensor, new: int, device: str, seed: int, *
         out = model.generate(ids, max_new_tokens=new, do_sample=True, pad_token_id=0, eos_token_id=None,
                              return_dict_in_generate=lockstep, **kw)
         sync(device)
-        secs = time.perf_counter() - marks["t0"]
+        secs = now() - marks["t0"]
     finally:
         del model._prefill
     B, P = ids.shape
@@ -60,7 +58,9 @@ def timed_generate(model, ids: torch.Tensor, new: int, device: str, seed: int, *
         depths = out.cache.token_depth[:, P:P + new - 1].cpu().tolist()
     else:
         depths = model._last_decode_depths
-    return secs, {"depths": depths, "prompt_depths": marks["prompt_depths"], "mode": model._last_decode_mode}
+    steps = getattr(model, "_last_decode_steps", None) if model._last_decode_mode == "continuous_depth" else None
+    return secs, {"depths": depths, "prompt_depths": marks["prompt_depths"], "mode": model._last_decode_mode,
+                  "steps": steps}
 
 
 def flops_ratio(cfg, info: dict, prompt: int, new: int) -> float:
@@ -78,16 +78,22 @@ def measure(models: dict, ids: torch.Tensor, ctx: Ctx, new: int, runs: dict, rep
     short = ids[:, : min(8, ids.shape[1])]
     warm = {name: (lambda key=key, kw=kw: timed_generate(models[key], short, 3, ctx.device, seed=5, **kw))
             for name, (key, kw) in runs.items()}
-    best = interleaved_best(fns, repeats, warm)
+    seconds: dict[str, list[float]] = {}
+    best = interleaved_best(fns, repeats, warm, all_seconds=seconds)
     cfg = models["tah2"].config
     B, P = ids.shape
     out = {}
     for name, (secs, info) in best.items():
         flat = [d for row in info["depths"] for d in row]
+        sums = [sum(row) for row in info["depths"]] or [1]
         fr = 1.0 if runs[name][0] == "standard" else flops_ratio(cfg, info, P, new)
         tps = best["standard"][0] / secs
         out[name] = {"tps_ratio": tps, "flops_ratio": fr, "efficiency": tps * fr, "seconds": secs,
-                     "depth": sum(flat) / max(len(flat), 1), "tokens_per_s": B * (new - 1) / secs, "mode": info["mode"]}
+                     "depth": sum(flat) / max(len(flat), 1), "tokens_per_s": B * (new - 1) / secs, "mode": info["mode"],
+                     "steps": info.get("steps"), "repeat_seconds": seconds[name], "spread": spread(seconds[name]),
+                     # mean ÷ largest per-row Σ depth: a step at any batch size costs a weight pass, so where weight
+                     # reads dominate, a fixed batch cannot beat this share of the FLOPs bound (rows wait for the deepest)
+                     "balance": sum(sums) / len(sums) / max(max(sums), 1)}
     return out
 
 
@@ -110,7 +116,10 @@ def _rows_for_batch(size: Size, ctx: Ctx, models: dict, batch: int) -> list[Row]
                judged(c["efficiency"] >= goal if goal else None), unit="",
                note=f"tokens/s {c['tps_ratio']:.2f}× × FLOPs {c['flops_ratio']:.2f} at decode depth {c['depth']:.2f};"
                     f" lockstep {lk['efficiency']:.2f} ({lk['tps_ratio']:.2f}× at depth {lk['depth']:.2f});"
-                    f" continuous ÷ lockstep tokens/s {lk['seconds'] / c['seconds']:.2f}×; prompt {prompt}",
+                    f" continuous ÷ lockstep tokens/s {lk['seconds'] / c['seconds']:.2f}×; {c['steps']} passes, row"
+                    f" balance {c['balance']:.2f} (mean ÷ largest per-row Σ depth); spread between repeats: continuous"
+                    f" {c['spread']:.0%}, lockstep {lk['spread']:.0%}, Standard {r['standard']['spread']:.0%};"
+                    f" prompt {prompt}",
                extra={"continuous": c, "lockstep": lk, "standard": r["standard"]}),
            Row(f"tah2-gen-lockstep-eff-b{batch}", f"TaH2 generate FLOPs efficiency, lockstep, batch {batch}",
                size.name, "reported", lk["efficiency"], "reported", unit="",

@@ -21,7 +21,8 @@ def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
     assert torch.get_num_threads() == threads
     data = json.loads((tmp_path / "smoke.json").read_text())
     settings = data["settings"]
-    for key in ("device", "dtype", "threads", "torch", "transformers", "workload", "sizes", "elapsed_s"):
+    for key in ("device", "dtype", "threads", "torch", "transformers", "workload", "sizes", "elapsed_s", "clock",
+                "load_avg_start", "load_avg_end"):
         assert key in settings, key
     assert settings["device"] == "cpu" and settings["quick"] and list(settings["sizes"]) == ["tiny"]
     ids = [r["id"] for r in data["rows"]]
@@ -36,3 +37,30 @@ def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
     table = [line for line in md if line.startswith("| ") and line != header]
     assert len(table) == len(ROWS) and all(line.count("|") == 7 for line in table)
     assert header in capsys.readouterr().out  # the table is printed too
+
+
+def test_clock_choice_and_spread(monkeypatch):
+    """`--clock cpu` times with the process's CPU time (a busy loop counts, a sleep does not); a bad name is refused;
+    the spread is slowest ÷ fastest − 1."""
+    import time
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import common
+
+    try:
+        common.set_clock("cpu")
+        assert common.clock_name() == "cpu"
+        secs, _ = common.timed("cpu", lambda: time.sleep(0.2))
+        assert secs < 0.1
+        common.set_clock("wall")
+        secs, _ = common.timed("cpu", lambda: time.sleep(0.05))
+        assert secs >= 0.05
+        try:
+            common.set_clock("gpu")
+        except ValueError as exc:
+            assert "clock" in str(exc)
+        else:
+            raise AssertionError("set_clock accepted 'gpu'")
+    finally:
+        common.set_clock("wall")
+    assert common.spread([2.0, 3.0, 2.5]) == 0.5 and common.spread([1.0]) == 0.0

@@ -166,6 +166,13 @@ class _StepKV:
         return iteration_visibility(mode, q_pos[:, None], q_stream[:, None], self.pos[:, :n], self.iter[:, :n],
                                     self.valid[:, :n])
 
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` (rows that are done leave the pass)."""
+        self.keys = [k.index_select(0, keep) for k in self.keys]
+        self.values = [v.index_select(0, keep) for v in self.values]
+        self.pos, self.iter, self.valid = (self.pos.index_select(0, keep), self.iter.index_select(0, keep),
+                                           self.valid.index_select(0, keep))
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         c = self.column
         self.keys[layer_idx][:, :, c] = key_states[:, :, 0]
@@ -201,13 +208,16 @@ class _Stopping:
             by_count.setdefault(counts[r], []).append(r)
         return [(group, count) for count, group in sorted(by_count.items())]
 
-    def scores(self, ids, rows_t, count: int, log_q):
-        """Processed scores of the group's rows (`log_q`: every row's log q)."""
+    def scores(self, ids, rows_t, slots_t, count: int, log_q):
+        """Processed scores of the group (batch rows `rows_t`, rows `slots_t` of `log_q`: the pass's log q)."""
+        mine = log_q.index_select(0, slots_t)
         if len(self.processors) == 0:
-            return log_q.index_select(0, rows_t)
+            return mine
         if count < 0:  # score-only processors: per row, the ids are never read
-            return self.processors(ids[:, : self.prompt_len].index_select(0, rows_t), log_q.index_select(0, rows_t))
-        processed = self.processors(ids[:, : self.prompt_len + count], log_q.clone())
+            return self.processors(ids[:, : self.prompt_len].index_select(0, rows_t), mine)
+        # the whole batch, every row in its place (rows outside the group get zeros; their result is not used)
+        full = log_q.new_zeros((ids.shape[0], log_q.shape[-1])).index_copy(0, rows_t, mine)
+        processed = self.processors(ids[:, : self.prompt_len + count], full)
         return processed.index_select(0, rows_t)
 
     def done(self, ids, rows_t, count: int, tokens, scores) -> torch.Tensor:
@@ -289,47 +299,44 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
     cache.reset()  # the prefill's states now live in `kv`
 
     embed = model.model.embed_tokens
-    e = embed(tokens)
-    x = e
-    q_stream = torch.zeros(B, dtype=torch.long, device=device)
-    remaining = torch.ones(B, dtype=torch.float32, device=device)
-    log_mix = torch.full((B, cfg.vocab_size), float("-inf"), dtype=torch.float32, device=device)
+    # Device state is kept for the computing rows only, in the order of `alive` (their batch rows): a row that is done
+    # leaves the pass (the batch is compacted), so the tail of a batch, where a few deep rows finish their tokens,
+    # costs their rows only. `ids`, `done` and the host bookkeeping stay in batch rows.
+    st = _Compact(e=embed(tokens), q_pos=q_pos, device=device, batch=B, vocab=cfg.vocab_size)
     rows = _RowState(B, max_new, pad_finished=eos_criteria)
     rows.mark_done([False] * B)
     computing = rows.computing()
+    alive = list(range(B))
 
-    running, running_of = None, None
     while any(computing):
-        if computing != running_of:  # host → device only when the set of computing rows changes
-            running, running_of = torch.tensor(computing, dtype=torch.bool, device=device), list(computing)
-        h, z = _one_pass(model, kv, x, q_pos, q_stream, running)
-        can_continue = [r for r in range(B) if computing[r] and rows.depth[r] < M - 1]
-        cont, remaining, log_mix = _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau,
-                                                   can_continue)
-        flags = torch.stack([cont, done]).tolist()  # the step's one host read
-        rows.mark_done(flags[1])
+        if len(alive) != sum(computing):  # rows only ever leave: compact once per change, not per step
+            keep = [i for i, r in enumerate(alive) if computing[r]]
+            alive = [alive[i] for i in keep]
+            st.select(torch.tensor(keep, dtype=torch.long, device=device), kv)
+        n = len(alive)
+        h, z = _one_pass(model, kv, st.x, st.q_pos, st.q_stream, st.running(n))
+        can_continue = [i for i, r in enumerate(alive) if rows.depth[r] < M - 1]
+        cont = _decide_and_mix(model, st, h, z, M, tau, can_continue)
+        flags = torch.cat([cont, done]).tolist()  # the step's one host read: n continue flags, then B stop flags
+        rows.mark_done(flags[n:])
         # A row whose stop (EOS) we learn only now ran a query this step: with padding after a stop, drop it.
-        active = [c and not (rows.pad_finished and rows.done_at[r] is not None) for r, c in enumerate(computing)]
-        cont_rows = [r for r in range(B) if active[r] and flags[0][r]]
-        finish_rows = [r for r in range(B) if active[r] and not flags[0][r]]
-        if cont_rows:
-            x, q_stream = _advance_depth(model, cont_rows, e, h, z, x, q_stream)
-            for r in cont_rows:
-                rows.depth[r] += 1
-        if finish_rows:
-            log_q = log_mix
+        active = [not (rows.pad_finished and rows.done_at[r] is not None) for r in alive]
+        cont_slots = [i for i in range(n) if active[i] and flags[i]]
+        finish_slots = [i for i in range(n) if active[i] and not flags[i]]
+        if cont_slots:
+            _advance_depth(model, st, cont_slots, h, z)
+            for i in cont_slots:
+                rows.depth[alive[i]] += 1
+        if finish_slots:
+            log_q = st.log_mix
             if cfg.mixture == "even":
-                depth_now = torch.tensor([d + 1 for d in rows.depth], dtype=torch.float32, device=device)
-                log_q = log_mix - torch.log(depth_now)[:, None]
-            done, rows_t, tok = _emit_tokens(stopping, ids, log_q, finish_rows, rows, generation_config.do_sample, done)
+                depth_now = torch.tensor([rows.depth[r] + 1 for r in alive], dtype=torch.float32, device=device)
+                log_q = st.log_mix - torch.log(depth_now)[:, None]
+            done, slots_t, tok = _emit_tokens(stopping, ids, log_q, alive, finish_slots, rows,
+                                              generation_config.do_sample, done)
             if streamer is not None:
                 streamer.put(tok.cpu())
-            e_new = embed(tok)
-            e, x = e.index_copy(0, rows_t, e_new), x.index_copy(0, rows_t, e_new)
-            q_pos = q_pos.index_add(0, rows_t, torch.ones_like(rows_t))
-            q_stream = q_stream.index_fill(0, rows_t, 0)
-            remaining = remaining.index_fill(0, rows_t, 1.0)
-            log_mix = log_mix.index_fill(0, rows_t, float("-inf"))
+            st.new_tokens(slots_t, embed(tok))
         rows.mark_done([False] * B)
         computing = rows.computing()
 
@@ -341,29 +348,66 @@ def continuous_depth_sample(model, input_ids, logits_processor, stopping_criteri
     return ids[:, : P + n_out]
 
 
-def _emit_tokens(stopping: _Stopping, ids, log_q, finish_rows: list[int], rows: _RowState, do_sample: bool, done):
-    """The next token of every row in `finish_rows` (processors, then argmax or a draw), written to `ids`; their stop
-    flags (device) and the host bookkeeping. Returns (stop flags, rows as a tensor, their tokens)."""
+class _Compact:
+    """Per-row device state of the computing rows (one entry per row of the pass): embedding e of the pending token,
+    layer input x, query position and stream, remaining stop mass R and the log mixture."""
+
+    def __init__(self, e, q_pos, device, batch: int, vocab: int):
+        self.e, self.x, self.q_pos = e, e, q_pos
+        self.q_stream = torch.zeros(batch, dtype=torch.long, device=device)
+        self.remaining = torch.ones(batch, dtype=torch.float32, device=device)
+        self.log_mix = torch.full((batch, vocab), float("-inf"), dtype=torch.float32, device=device)
+        self._running = {}
+
+    def running(self, n: int) -> torch.Tensor:
+        """All rows of the pass compute (done rows were compacted out): a cached all-true mask per batch size."""
+        if n not in self._running:
+            self._running[n] = torch.ones(n, dtype=torch.bool, device=self.e.device)
+        return self._running[n]
+
+    def select(self, keep: torch.Tensor, kv: _StepKV) -> None:
+        """Keep the rows `keep` (indices into the current rows), here and in the key/value buffers."""
+        for name in ("e", "x", "q_pos", "q_stream", "remaining", "log_mix"):
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+        kv.select_rows(keep)
+
+    def new_tokens(self, slots: torch.Tensor, e_new: torch.Tensor) -> None:
+        """Rows `slots` finished a token: their next query is the new token's depth-1 query at the next position."""
+        self.e, self.x = self.e.index_copy(0, slots, e_new), self.x.index_copy(0, slots, e_new)
+        self.q_pos = self.q_pos.index_add(0, slots, torch.ones_like(slots))
+        self.q_stream = self.q_stream.index_fill(0, slots, 0)
+        self.remaining = self.remaining.index_fill(0, slots, 1.0)
+        self.log_mix = self.log_mix.index_fill(0, slots, float("-inf"))
+
+
+def _emit_tokens(stopping: _Stopping, ids, log_q, alive: list[int], finish_slots: list[int], rows: _RowState,
+                 do_sample: bool, done):
+    """The next token of the rows of the pass at `finish_slots` (processors, then argmax or a draw), written to `ids`
+    (batch rows `alive[slot]`); their stop flags (device, batch rows) and the host bookkeeping. `log_q` has one row
+    per row of the pass. Returns (stop flags, the slots as a tensor, their tokens)."""
     device = ids.device
     P = stopping.prompt_len
-    new_rows, new_tokens = [], []
-    for group, count in stopping.groups(finish_rows, rows.count):
+    slot_of = {r: i for i, r in enumerate(alive)}
+    new_slots, new_tokens = [], []
+    for group, count in stopping.groups([alive[i] for i in finish_slots], rows.count):
         rows_t = torch.tensor(group, dtype=torch.long, device=device)
-        scores = stopping.scores(ids, rows_t, count, log_q)
+        slots_t = torch.tensor([slot_of[r] for r in group], dtype=torch.long, device=device)
+        scores = stopping.scores(ids, rows_t, slots_t, count, log_q)
         tok = _pick(scores, do_sample)
         ids[rows_t, torch.tensor([P + rows.count[r] for r in group], dtype=torch.long, device=device)] = tok
         if not stopping.length_only:
             stop = stopping.done(ids, rows_t, count, tok, scores)
             done = done.index_put((rows_t,), done.index_select(0, rows_t) | stop)
-        new_rows.append(rows_t)
+        new_slots.append(slots_t)
         new_tokens.append(tok)
-    for r in finish_rows:
+    for i in finish_slots:
+        r = alive[i]
         rows.depths[r].append(rows.depth[r] + 1)
         rows.count[r] += 1
         rows.depth[r] = 0
-    if len(new_rows) == 1:
-        return done, new_rows[0], new_tokens[0]
-    return done, torch.cat(new_rows), torch.cat(new_tokens)
+    if len(new_slots) == 1:
+        return done, new_slots[0], new_tokens[0]
+    return done, torch.cat(new_slots), torch.cat(new_tokens)
 
 
 def _pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
@@ -385,17 +429,19 @@ def _one_pass(model, kv: _StepKV, x, q_pos, q_stream, running):
     return h, model.lm_head(h)
 
 
-def _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, tau, can_continue: list[int]):
-    """Decider (continue iff g > τ, or sampled) and the stopping-weighted mixture update of every computing row, the
-    same arithmetic as the lockstep loop's. The decider runs only on `can_continue` (computing rows below depth M,
-    a host list): a query at depth M stops anyway. Returns (continue flags, R, log mixture)."""
+def _decide_and_mix(model, st: _Compact, h, z, M, tau, can_continue: list[int]) -> torch.Tensor:
+    """Decider (continue iff g > τ, or sampled) and the stopping-weighted mixture update of every row of the pass (all
+    compute), the same arithmetic as the lockstep loop's; updates `st.remaining` and `st.log_mix`. The decider runs
+    only on `can_continue` (rows below depth M, a host list): a query at depth M stops anyway. Returns the continue
+    flags."""
     cfg = model.config
+    e, q_stream = st.e, st.q_stream
     last = q_stream >= M - 1
-    B = e.shape[0]
-    if len(can_continue) == B:
+    n = e.shape[0]
+    if len(can_continue) == n:
         logit = model._continue_logit(e, h, z)
     else:
-        logit = torch.full((B,), float("-inf"), dtype=torch.float32, device=e.device)
+        logit = torch.full((n,), float("-inf"), dtype=torch.float32, device=e.device)
         if can_continue:
             idx = torch.tensor(can_continue, dtype=torch.long, device=e.device)
             part = model._continue_logit(e.index_select(0, idx), h.index_select(0, idx), z.index_select(0, idx))
@@ -405,29 +451,28 @@ def _decide_and_mix(model, e, h, z, q_stream, running, remaining, log_mix, M, ta
         cont = torch.bernoulli(g).bool()
     else:
         cont = g > tau
-    cont = cont & ~last & running
+    cont = cont & ~last
     g = torch.where(last, torch.zeros((), device=g.device), g)
     logp = torch.log_softmax(z.float(), dim=-1)
+    remaining = st.remaining
     if cfg.mixture == "stop_prob":
         log_w = torch.log(torch.where(cont, remaining * (1.0 - g), remaining).clamp(min=1e-10))
-        remaining = torch.where(running & cont, remaining * g, remaining)
+        st.remaining = torch.where(cont, remaining * g, remaining)
     else:
         log_w = torch.zeros_like(remaining)
-    term = log_w[:, None] + logp
-    if cfg.mixture == "final":
-        mixed = term
-    else:
-        mixed = torch.logaddexp(log_mix, term)
-    log_mix = torch.where(running[:, None], mixed, log_mix)
-    return cont, remaining, log_mix
+    term = logp.add_(log_w[:, None])
+    st.log_mix = term if cfg.mixture == "final" else torch.logaddexp(st.log_mix, term)
+    return cont
 
 
-def _advance_depth(model, cont_rows: list[int], e, h, z, x, q_stream):
+def _advance_depth(model, st: _Compact, cont_slots: list[int], h, z) -> None:
     """Continuing rows: the next depth's input U(e, h(m)) and stream."""
-    idx = torch.tensor(cont_rows, dtype=torch.long, device=x.device)
+    x, e = st.x, st.e
+    idx = torch.tensor(cont_slots, dtype=torch.long, device=x.device)
     logits = z.index_select(0, idx) if model.config.updater == "topk_embedding" else None
     x_next = model._next_input(e.index_select(0, idx), h.index_select(0, idx), logits)
-    return x.index_copy(0, idx, x_next.to(x.dtype)), q_stream.index_add(0, idx, torch.ones_like(idx))
+    st.x = x.index_copy(0, idx, x_next.to(x.dtype))
+    st.q_stream = st.q_stream.index_add(0, idx, torch.ones_like(idx))
 
 
 class TaH2GenerationMixin(GenerationMixin):

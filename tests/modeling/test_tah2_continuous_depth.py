@@ -163,8 +163,8 @@ def test_sampling_draws_from_the_mixture_of_the_teacher_forced_forward(mode, mon
     drawn = []  # (rows, the scores they were drawn from), in the loop's order; a row's k-th draw is its token k + 1
     original = generation_tah2._Stopping.scores
 
-    def recording(self, ids_, rows_t, count, log_q):
-        out = original(self, ids_, rows_t, count, log_q)
+    def recording(self, ids_, rows_t, slots_t, count, log_q):
+        out = original(self, ids_, rows_t, slots_t, count, log_q)
         drawn.append((rows_t.tolist(), out.clone()))
         return out
 
@@ -226,6 +226,36 @@ def test_eager_attention_and_even_mixture():
     model.config._attn_implementation = "eager"
     ids, mask = left_padded_batch([4, 7, 2], seed=13)
     _assert_same_as_lockstep(model, ids, mask, None, max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_rows_that_are_done_leave_the_pass(eos):
+    """The pass runs only the rows still computing: without EOS every row runs exactly one query per executed depth of
+    its decoded tokens (Σ depth queries, none idle in the tail while the deepest row finishes); with an EOS, a stopped
+    row runs at most one more (the step in which its stop is read) and then none."""
+    model = _model(1, 3, "duo", "by-hidden")
+    ids, mask = left_padded_batch([6, 6, 4, 5], seed=11)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    stop = None
+    if eos:
+        probe, _ = _continuous(model, ids, mask, eos_token_id=None, **kw)
+        stop = int(probe[1, ids.shape[1] + 4])
+    seq, depths = _assert_same_as_lockstep(model, ids, mask, stop, **kw)
+    queries = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda mod, args: queries.append(args[0].shape[0]))
+    try:
+        _continuous(model, ids, mask, eos_token_id=stop, **kw)
+    finally:
+        hook.remove()
+    decode = queries[-model._last_decode_steps:]  # before them: the prefill cascade's passes
+    sums = [sum(row) for row in depths]
+    assert len(set(sums)) > 1  # rows finish at different steps, so some steps run fewer rows
+    assert min(decode) < ids.shape[0]
+    if eos:
+        stopped = sum(1 for r in range(ids.shape[0]) if (seq[r, ids.shape[1]:] == stop).any())
+        assert sum(sums) <= sum(decode) <= sum(sums) + stopped
+    else:
+        assert sum(decode) == sum(sums)
 
 
 @pytest.mark.parametrize("M", [2, 4])
