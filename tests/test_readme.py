@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers.common import REPO
 
 README = os.path.join(REPO, "README.md")
 

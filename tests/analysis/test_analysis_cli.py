@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_qwen3_config
+from helpers.common import tiny_qwen3_config
 from transformers import Qwen3ForCausalLM
 
 from hf_loops.cli import main

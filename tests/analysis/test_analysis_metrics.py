@@ -327,7 +327,7 @@ def test_entropy_row_subsets():
 
 
 def test_accuracy_vs_flops_from_recorded_depths():
-    from conftest import tiny_qwen3_config
+    from helpers.common import tiny_qwen3_config
 
     from hf_loops.analysis.slopes import accuracy_vs_flops, tah2_response_flops
 

@@ -4,7 +4,7 @@ import re
 from html.parser import HTMLParser
 
 import pytest
-from picture_helpers import chromium_render_check, expected_colors, png_box_counts
+from helpers.picture_helpers import chromium_render_check, expected_colors, png_box_counts
 
 from hf_loops.analysis.depth_map import (
     class_depth_stats,

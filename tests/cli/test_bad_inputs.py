@@ -16,9 +16,9 @@ from unittest import mock
 
 import pytest
 import torch
-from cli_cases_worker import run_table
-from conftest import umask as _umask
-from conversion_helpers import chat_base, qwen3_dir, tiny_qwen3, write_official_tah2
+from helpers.cli_cases_worker import run_table
+from helpers.common import umask as _umask
+from helpers.conversion_helpers import chat_base, qwen3_dir, tiny_qwen3, write_official_tah2
 
 from hf_loops.conversion import convert_qwen3, export
 from hf_loops.conversion.export import TMP_PREFIX, atomic_output_dir, check_output_dir
@@ -67,7 +67,7 @@ def w(tmp_path_factory):
     with torch.no_grad():
         nan.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     nan.save_pretrained(root / "nan")
-    from tah2_helpers import tiny_tah2
+    from helpers.tah2_helpers import tiny_tah2
 
     official = write_official_tah2(root / "official", tiny_tah2())
     broken = write_official_tah2(root / "official_bad", tiny_tah2())

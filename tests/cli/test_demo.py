@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from eval_helpers import tiny_base, write_problems
-from picture_helpers import chromium_render_check, expected_colors, png_box_counts
+from helpers.eval_helpers import tiny_base, write_problems
+from helpers.picture_helpers import chromium_render_check, expected_colors, png_box_counts
 
 from hf_loops.cli import main
 from hf_loops.demo import run_demo, split_rows

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from eval_helpers import PROBLEMS, decisive_tah2, tiny_base, write_problems
+from helpers.eval_helpers import PROBLEMS, decisive_tah2, tiny_base, write_problems
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_loops.analysis.flops_tah2 import decode_flops_standard

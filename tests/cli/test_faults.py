@@ -5,8 +5,8 @@ import errno
 import os
 
 import pytest
-from eval_helpers import tiny_base, write_problems
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
+from helpers.eval_helpers import tiny_base, write_problems
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.core.outdir import TMP_PREFIX
 

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conversion_helpers import CALIBRATION_TEXT, qwen3_dir, tiny_qwen3, tiny_tokenizer
+from helpers.conversion_helpers import CALIBRATION_TEXT, qwen3_dir, tiny_qwen3, tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_loops import SGTForCausalLM, SpiralFormerForCausalLM

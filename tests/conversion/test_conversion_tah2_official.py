@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conversion_helpers import Qwen3MLPIterDecider, tiny_qwen3, write_official_tah2
+from helpers.conversion_helpers import Qwen3MLPIterDecider, tiny_qwen3, write_official_tah2
 from transformers import AutoModelForCausalLM
 
 from hf_loops import TaH2ForCausalLM

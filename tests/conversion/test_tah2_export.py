@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from tah2_helpers import tiny_tah2
+from helpers.tah2_helpers import tiny_tah2
 from transformers import AutoModelForCausalLM
 
 from hf_loops import TaH2ForCausalLM

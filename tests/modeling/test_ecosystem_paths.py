@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from tah2_helpers import script_decider, tiny_qwen3, tiny_tah2
+from helpers.tah2_helpers import script_decider, tiny_qwen3, tiny_tah2
 from transformers import Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from sync_helpers import spy_syncs
+from helpers.sync_helpers import spy_syncs
 from test_spiralformer import VOCAB, make_config, make_model
 from transformers import DynamicCache
 

@@ -7,7 +7,7 @@ build here), the deeper depths under sdpa."""
 
 import pytest
 import torch
-from tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
+from helpers.tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 

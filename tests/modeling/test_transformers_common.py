@@ -76,7 +76,7 @@ def _install_common_tests_package() -> None:
 
 _install_common_tests_package()
 
-from looped_tiny_configs import ARCHS  # noqa: E402
+from helpers.looped_tiny_configs import ARCHS  # noqa: E402
 from transformers_tests import test_modeling_common as _common  # noqa: E402
 from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402

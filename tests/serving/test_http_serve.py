@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import tiny_qwen3
-from conversion_helpers import tiny_tokenizer
+from helpers.common import tiny_qwen3
+from helpers.conversion_helpers import tiny_tokenizer
 
 pytest.importorskip("fastapi", reason="serving needs transformers' serving extras (pip install 'hf_loops[serve]')")
 pytest.importorskip("uvicorn", reason="serving needs transformers' serving extras (pip install 'hf_loops[serve]')")

@@ -9,8 +9,8 @@ import sys
 import textwrap
 
 import pytest
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 from safetensors.torch import load_file
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.core.outdir import TMP_PREFIX, lock_path
 from hf_loops.training.checkpoints import complete_checkpoints, last_complete_checkpoint

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import SHARED
+from helpers.common import SHARED
 
 from hf_loops.data import (
     EVAL_ROWS,

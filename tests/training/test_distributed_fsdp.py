@@ -57,10 +57,10 @@ def launch(config_file, modes, out, timeout=240, **extra_env):
     torch.distributed variables left by earlier in-process runs), with a watchdog in the worker; a hang fails here."""
     keep = ("PATH", "HOME", "TMPDIR", "LANG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
     env = {k: os.environ[k] for k in keep if k in os.environ}
-    env.update(PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
                HF_DIST_WATCHDOG_S=str(timeout - 30), **extra_env)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-           os.path.join(HERE, "dist_fsdp_worker.py"), modes, str(out)]
+           os.path.join(HERE, "helpers", "dist_fsdp_worker.py"), modes, str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "File " in line]
     assert res.returncode == 0, "\n".join(errors[-40:]) or res.stderr[-3000:]
@@ -91,7 +91,7 @@ def fsdp2_config_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The reference: one process, the union batch, no FSDP."""
-    from dist_fsdp_worker import main
+    from helpers.dist_fsdp_worker import main
 
     return main("fsdp", str(tmp_path_factory.mktemp("one")))
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from tah2_helpers import tiny_tah2
-from tah2_sweep import DECIDERS, PADDINGS, ArgsNS, install_decider, make_batch, run_case
+from helpers.tah2_helpers import tiny_tah2
+from helpers.tah2_sweep import DECIDERS, PADDINGS, ArgsNS, install_decider, make_batch, run_case
 
 from hf_loops.training.tah2_trainer import metric_values
 

@@ -75,8 +75,8 @@ def test_resume_from_checkpoint_continues_the_run(data, tmp_path):
 
 
 def test_lora_targets_backbone_linears_and_trains_updater_and_decider_fully():
+    from helpers.tah2_helpers import tiny_tah2
     from peft import get_peft_model
-    from tah2_helpers import tiny_tah2
 
     from hf_loops.training.train_tah2 import lora_config
 
@@ -118,13 +118,13 @@ def test_two_ranks_pool_cutoffs_and_class_balance_like_one_process(tmp_path):
     out = tmp_path / "dist.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "dist_labels_worker.py"), str(out)]
+           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "helpers", "dist_labels_worker.py"), str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     dist = torch.load(out)
     assert dist["world"] == 2
     sys.path.insert(0, HERE)
-    from dist_labels_worker import fixed_batch
+    from helpers.dist_labels_worker import fixed_batch
 
     executed, losses, look, supervised, M = fixed_batch()
     one = compute_depth_labels(executed, losses, look, supervised, M, coverage=0.9)

@@ -2,8 +2,8 @@
 (the CLI parses its words into the same call), unknown names refused with the closest valid one."""
 
 import pytest
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 from safetensors.torch import load_file
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.training.train_tah2 import main as train_main
 from hf_loops.training.train_tah2 import train

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from tah2_helpers import tiny_tah2
-from train_cli_helpers import CHILD, _argv, _qa, tiny_train_setup  # noqa: F401  (the `data` fixture)
+from helpers.tah2_helpers import tiny_tah2
+from helpers.train_cli_helpers import CHILD, _argv, _qa, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.training import train_tah2
 from hf_loops.training.train_tah2 import main as train_main

@@ -17,7 +17,7 @@ import torch
 from hf_loops import SGTConfig, SGTForCausalLM, SpiralFormerConfig, SpiralFormerForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tah2_helpers import script_decider
+from helpers.tah2_helpers import script_decider
 
 from hf_loops.conversion import convert_qwen3
 
