@@ -22,6 +22,16 @@ def shared_dir():
     return SHARED
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """In a module with `QUICK_BY_NAME` (test method names), every other test is marked `slow`: transformers' common
+    tests are methods of upstream mixins, which cannot take a decorator here."""
+    for item in items:
+        quick = getattr(getattr(item, "module", None), "QUICK_BY_NAME", None)
+        if quick is not None and getattr(item, "originalname", item.name) not in quick:
+            item.add_marker(pytest.mark.slow)
+
+
 # Session summary of transformers' common model tests (tests/modeling/test_transformers_common.py): per
 # architecture, how many common tests ran, passed, were skipped (by our table of looped-model refusals, or by the
 # upstream test itself: no GPU, feature absent). Here, not in tests/modeling/conftest.py: test modules import

@@ -299,6 +299,7 @@ def test_cons_at_n():
     assert cons_at_n([["a", "b"]], ["a"], n=1, draws=2000) == pytest.approx(50.0, abs=5)
 
 
+@pytest.mark.slow
 def test_plots_write_png_and_svg(tmp_path):
     pytest.importorskip("matplotlib")
     from hf_loops.analysis import plots

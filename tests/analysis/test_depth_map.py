@@ -99,6 +99,7 @@ def test_png_colours_every_token(tmp_path):
     assert counts == {1: 2 * row.depths.count(1) + 1, 2: 2 * row.depths.count(2) + 1}
 
 
+@pytest.mark.slow
 def test_html_renders_in_headless_chromium(tmp_path):
     row = _row()
     path = tmp_path / "m.html"

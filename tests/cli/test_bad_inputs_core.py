@@ -227,6 +227,7 @@ def test_the_table_lists_every_case(w):
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.slow
 def test_bad_input(results, w, name):
     got, before = results
     argv, cwd, rc, pattern, absent = _cases(w)[name]

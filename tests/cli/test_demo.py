@@ -33,6 +33,7 @@ def test_split_holds_out_the_last_rows_or_the_given_ones():
         split_rows(rows, 10)
 
 
+@pytest.mark.slow
 def test_demo_writes_report_checkpoints_and_data(demo):
     out = demo["out"]
     assert {"report.md", "eval.json", "depth_map.html", "depth_map.png", "loss_curves.png",
@@ -57,6 +58,7 @@ def test_demo_writes_report_checkpoints_and_data(demo):
     assert demo["result"]["table"].splitlines()[0].startswith("run")
 
 
+@pytest.mark.slow
 def test_pictures_are_not_blank_and_colour_every_token(demo):
     from matplotlib.image import imread
 
@@ -81,6 +83,7 @@ def test_pictures_are_not_blank_and_colour_every_token(demo):
         assert list(colors) == [want[d]]
 
 
+@pytest.mark.slow
 def test_hf_loops_eval_on_the_demo_checkpoints_reproduces_the_table(demo, tmp_path, capsys):
     argv = demo["result"]["eval_command"].split()[1:]
     argv[argv.index("--out") + 1] = str(tmp_path / "ev")

@@ -73,6 +73,7 @@ def test_pretrain_on_a_full_disk_keeps_the_earlier_result(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("at_step", [2])
+@pytest.mark.slow
 def test_train_full_disk_during_a_checkpoint_loses_only_that_checkpoint(data, tmp_path, monkeypatch, capsys, at_step):
     from transformers import Trainer
 

@@ -243,6 +243,7 @@ for path in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow
 def test_both_baselines_train_save_load_by_remote_code_and_generate(data, tmp_path):
     import os
     import subprocess

@@ -150,6 +150,11 @@ RUN_UNDER_EAGER = {"test_model_outputs_equivalence"}
 RUN_WITHOUT_ATTENTIONS = {"spiralformer": {"test_model_outputs_equivalence"}}
 
 
+# The ~450 common tests take ~80 s on 2 cores (the overfit run alone trains 100 steps per architecture): `make test`
+# runs them all; the quick run (`pytest -m "not slow"`) keeps only our own three per architecture (tests/conftest.py
+# marks every other test of a module with QUICK_BY_NAME as slow).
+QUICK_BY_NAME = {"test_config", "test_model", "test_causal_lm"}
+
 SKIPPED_BY_NAME = "skipped by name: "  # the reason's prefix (the session summary counts these apart)
 
 

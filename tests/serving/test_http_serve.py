@@ -119,6 +119,7 @@ def test_tah2_served_by_the_command_line_answers_like_greedy_generate(tmp_path):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.slow
 def test_served_model_answers_like_greedy_generate(arch, tmp_path):
     from hf_loops.serving.http import add_arguments, serve
 

@@ -96,6 +96,7 @@ def one_process(tmp_path_factory):
     return main("fsdp", str(tmp_path_factory.mktemp("one")))
 
 
+@pytest.mark.slow
 def test_evaluation_step_synchronises_depth_passes_across_ranks(two_ranks):
     r0, r1 = two_ranks["eval0"], two_ranks["eval1"]
     m0, m1 = r0["eval_metrics"], r1["eval_metrics"]
@@ -139,6 +140,7 @@ def check_same_step_as_one_process(a, b, one):
         assert (a["weights"][key] - value).abs().max() <= 1e-5, key
 
 
+@pytest.mark.slow
 def test_fsdp2_accelerate_config_file_shards_every_parameter(fsdp2_config_ranks, one_process):
     a, b = fsdp2_config_ranks["config0"], fsdp2_config_ranks["config1"]
     for rank in (a, b):

@@ -37,6 +37,7 @@ def _close(a, b, what):
     assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), (what, (a - b).abs().max())
 
 
+@pytest.mark.slow
 def test_flat_packing_equals_per_row_packing_over_a_seeded_sweep():
     args = ArgsNS()
     rng = random.Random(2027)

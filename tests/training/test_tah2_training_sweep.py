@@ -153,6 +153,7 @@ def _compare_rows_alone(model, batch, extra, args, out, look, metrics):
     assert abs(float(metrics["ntp_loss"][0]) - nll_rows) < 1e-4 * max(1.0, abs(nll_rows))
 
 
+@pytest.mark.slow
 def test_training_sweep_over_deciders_padding_depths_modes_and_checkpointing():
     args = ArgsNS()
     compared = 0
@@ -204,6 +205,7 @@ def test_sweep_covers_some_depth2_none_depth3_and_a_fully_padded_row(M):
     assert torch.isfinite(loss)
 
 
+@pytest.mark.slow
 def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     """The sweep under DDP (with and without unused-parameter detection): ranks execute different depths, often one
     rank continues nothing; loss, backward, gradient sync and pooled labels all hold."""
@@ -237,6 +239,7 @@ def _needs_shared_tokenizer():
         pytest.skip("../shared/data/qwen3-tokenizer is not present")
 
 
+@pytest.mark.slow
 def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_path):
     _needs_shared_tokenizer()
     from helpers.trainer_metrics_worker import build_trainer, logged
@@ -262,6 +265,7 @@ def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_
     assert one["loss"] == pytest.approx(one["ntp_loss"] + 0.05 * one["decider_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_predict_returns_the_mixture_log_probabilities(tmp_path):
     _needs_shared_tokenizer()
     from helpers.trainer_metrics_worker import build_trainer

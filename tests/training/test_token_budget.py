@@ -171,6 +171,7 @@ def test_paper_recipe_batches_by_token_budget(tmp_path):
     assert config.max_length is None and budget.max_length == 16384
 
 
+@pytest.mark.slow
 def test_train_command_takes_the_budget_options(tmp_path, capsys):
     import os
 

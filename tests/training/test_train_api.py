@@ -9,6 +9,7 @@ from hf_loops.training.train_tah2 import main as train_main
 from hf_loops.training.train_tah2 import train
 
 
+@pytest.mark.slow
 def test_train_from_python_equals_the_command_line(data, tmp_path):
     assert train_main(_argv(data, tmp_path / "cli", "--max-iterations", "3")) == 0
     trainer = train(data["base"], data["train"], tmp_path / "api", "tah2", tokenizer=data["tokenizer"],

@@ -126,6 +126,7 @@ def test_padding_free_training_runs_with_max_length_none(data, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_trainer_checkpoints_load_with_remote_code_without_hf_loops(data, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -216,6 +217,7 @@ def test_threshold_buffer_of_lower_precision_reads_as_its_shortest_decimal():
 
 # 7. Failures: one last line on stderr, --debug for the traceback
 
+@pytest.mark.slow
 def test_training_failure_is_the_last_stderr_line(data, tmp_path, capsys, monkeypatch):
     from hf_loops.cli import main as cli_main
     from hf_loops.training.tah2_trainer import TaH2SFTTrainer
