@@ -90,6 +90,7 @@ def test_ansi_colours_every_token():
     assert len(re.findall(r"\x1b\[48;2;", text)) == len(_row().tokens) + 2  # tokens + the 2-entry legend
 
 
+@pytest.mark.slow
 def test_png_colours_every_token(tmp_path):
     row = _row()
     boxes = render_png([row, row], 2, str(tmp_path / "m.png"))

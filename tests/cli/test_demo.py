@@ -94,6 +94,7 @@ def test_hf_loops_eval_on_the_demo_checkpoints_reproduces_the_table(demo, tmp_pa
     assert demo["result"]["table"] in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_refuses_a_non_empty_out(demo, capsys):
     assert main(["demo", "--base", demo["base"], "--dataset", demo["data"], "--out", str(demo["out"])]) == 2
     err = capsys.readouterr().err.strip().splitlines()

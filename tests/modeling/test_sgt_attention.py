@@ -177,6 +177,7 @@ def test_left_padding_equals_rows_alone(attn, eager_flex):
 
 
 @pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.slow
 def test_training_loss_and_gradients_equal_eager(attn, eager_flex):
     """Train-mode loss; gradients too where the backend has a CPU backward (torch's flex_attention has none)."""
     x, mask = padded_batch()

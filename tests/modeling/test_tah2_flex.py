@@ -112,6 +112,7 @@ def test_flash_attention_runs_stream_zero_and_sdpa_runs_the_deeper_depths(monkey
     assert calls[-1] == (1, 10)
 
 
+@pytest.mark.slow
 def test_flex_causality_a_later_token_never_changes_earlier_outputs(models):
     _, flex = models["duo"]
     ids, mask = _batch()

@@ -108,6 +108,7 @@ def test_evaluation_step_synchronises_depth_passes_across_ranks(two_ranks):
     assert len(r0["delta_cut"]) == 2  # M − 1 = 2 depth decisions were labelled
 
 
+@pytest.mark.slow
 def test_fsdp2_step_matches_one_process_on_the_union_batch(two_ranks, one_process):
     a, b, one = two_ranks["fsdp0"], two_ranks["fsdp1"], one_process
     assert a["wrapped"].startswith("FSDP") and a["sharded_layer"] == "FSDPQwen3DecoderLayer"  # fully_shard applied
