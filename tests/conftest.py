@@ -11,37 +11,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Tiny models: thread hand-off costs more than it saves; one thread also keeps float results reproducible.
 torch.set_num_threads(1)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
-
-
-def tiny_qwen3_config(**overrides):
-    from transformers import Qwen3Config
-
-    kw = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
-
-
-def tiny_qwen3(seed=0, **overrides):
-    """A tiny random `Qwen3ForCausalLM` (eval mode) from `tiny_qwen3_config`, seeded: the one tiny-model builder."""
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(tiny_qwen3_config(**overrides)).eval()
+# Re-exported: `from conftest import ...` in tests written before tests/helpers/ keeps working.
+from helpers.common import REPO, SHARED, tiny_qwen3, tiny_qwen3_config, umask  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -51,11 +22,14 @@ def shared_dir():
     return SHARED
 
 
-def umask() -> int:
-    """The process's umask (read by setting it and putting it back): the modes new files and folders get."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """In a module with `QUICK_BY_NAME` (test method names), every other test is marked `slow`: transformers' common
+    tests are methods of upstream mixins, which cannot take a decorator here."""
+    for item in items:
+        quick = getattr(getattr(item, "module", None), "QUICK_BY_NAME", None)
+        if quick is not None and getattr(item, "originalname", item.name) not in quick:
+            item.add_marker(pytest.mark.slow)
 
 
 # Session summary of transformers' common model tests (tests/modeling/test_transformers_common.py): per

@@ -4,12 +4,14 @@ and the lead's tables read. No timing assertions: a row may miss its goal (or er
 import json
 import os
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = ["tah2-eff-b1", "tah2-kv-b8", "tah2-gen-eff-b1", "tah2-sft", "sgt-train", "block-train", "spiral-prefill", "spiral-core-passes"]
 
 
+@pytest.mark.slow
 def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(ROOT)  # `bench` lives at the repository root, next to the package
     from bench.cli import main

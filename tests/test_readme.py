@@ -5,7 +5,8 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+from helpers.common import REPO
 
 README = os.path.join(REPO, "README.md")
 
@@ -21,6 +22,7 @@ def test_the_readme_has_a_python_example_on_its_first_screen():
     assert "```python" in head, "the README's first screen should show one runnable Python example"
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run_as_written(tmp_path):
     blocks = _python_blocks()
     assert blocks

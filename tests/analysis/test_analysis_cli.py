@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_qwen3_config
+from helpers.common import tiny_qwen3_config
 from transformers import Qwen3ForCausalLM
 
 from hf_loops.cli import main
@@ -53,6 +53,7 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
+@pytest.mark.slow
 def test_analyze_writes_figures_metrics_and_report(checkpoints, tmp_path, name):
     out = tmp_path / "out"
     assert main(["analyze", checkpoints[name], *TEXTS, *FAST, "--metrics", *METRICS[name], "--out", str(out)]) == 0
@@ -90,6 +91,7 @@ def test_analyze_bad_input_exits_2(checkpoints, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_analyze_refuses_non_empty_out_unless_overwrite(checkpoints, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

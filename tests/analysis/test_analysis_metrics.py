@@ -299,6 +299,7 @@ def test_cons_at_n():
     assert cons_at_n([["a", "b"]], ["a"], n=1, draws=2000) == pytest.approx(50.0, abs=5)
 
 
+@pytest.mark.slow
 def test_plots_write_png_and_svg(tmp_path):
     pytest.importorskip("matplotlib")
     from hf_loops.analysis import plots
@@ -327,7 +328,7 @@ def test_entropy_row_subsets():
 
 
 def test_accuracy_vs_flops_from_recorded_depths():
-    from conftest import tiny_qwen3_config
+    from helpers.common import tiny_qwen3_config
 
     from hf_loops.analysis.slopes import accuracy_vs_flops, tah2_response_flops
 

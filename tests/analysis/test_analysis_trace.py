@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_qwen3_config
+from helpers.common import tiny_qwen3_config
 from transformers import Qwen3ForCausalLM
 
 from hf_loops.analysis import residual_metrics as rm

@@ -4,7 +4,7 @@ import re
 from html.parser import HTMLParser
 
 import pytest
-from picture_helpers import chromium_render_check, expected_colors, png_box_counts
+from helpers.picture_helpers import chromium_render_check, expected_colors, png_box_counts
 
 from hf_loops.analysis.depth_map import (
     class_depth_stats,
@@ -90,6 +90,7 @@ def test_ansi_colours_every_token():
     assert len(re.findall(r"\x1b\[48;2;", text)) == len(_row().tokens) + 2  # tokens + the 2-entry legend
 
 
+@pytest.mark.slow
 def test_png_colours_every_token(tmp_path):
     row = _row()
     boxes = render_png([row, row], 2, str(tmp_path / "m.png"))
@@ -99,6 +100,7 @@ def test_png_colours_every_token(tmp_path):
     assert counts == {1: 2 * row.depths.count(1) + 1, 2: 2 * row.depths.count(2) + 1}
 
 
+@pytest.mark.slow
 def test_html_renders_in_headless_chromium(tmp_path):
     row = _row()
     path = tmp_path / "m.html"

@@ -16,9 +16,9 @@ from unittest import mock
 
 import pytest
 import torch
-from cli_cases_worker import run_table
-from conftest import umask as _umask
-from conversion_helpers import chat_base, qwen3_dir, tiny_qwen3, write_official_tah2
+from helpers.cli_cases_worker import run_table
+from helpers.common import umask as _umask
+from helpers.conversion_helpers import chat_base, qwen3_dir, tiny_qwen3, write_official_tah2
 
 from hf_loops.conversion import convert_qwen3, export
 from hf_loops.conversion.export import TMP_PREFIX, atomic_output_dir, check_output_dir
@@ -67,7 +67,7 @@ def w(tmp_path_factory):
     with torch.no_grad():
         nan.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     nan.save_pretrained(root / "nan")
-    from tah2_helpers import tiny_tah2
+    from helpers.tah2_helpers import tiny_tah2
 
     official = write_official_tah2(root / "official", tiny_tah2())
     broken = write_official_tah2(root / "official_bad", tiny_tah2())
@@ -250,6 +250,7 @@ def test_the_table_has_at_least_30_bad_inputs(w):
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.slow
 def test_bad_input(results, w, name):
     got, before = results
     argv, cwd, rc, pattern, disk = _cases(w)[name]
@@ -270,6 +271,7 @@ def _hf_loops(*argv, cwd, timeout=120):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_console_bad_input_is_one_stderr_line_and_exit_code_2(w):
     res = _hf_loops("convert", w["base"], "--arch", "tah2", "--out", str(w["root"] / "a_file"), cwd=w["root"])
     assert res.returncode == 2
@@ -415,6 +417,7 @@ def _train_argv(w, out, *extra):
             "--disable_tqdm", "true", *extra]
 
 
+@pytest.mark.slow
 def test_new_user_train_twice_is_bit_identical_and_a_third_run_refuses(w, tmp_path, capsys):
     """No recipe: CPU settings are picked (one line), two identical commands give identical weights, the run
     directory keeps its record, and a third run into the same directory refuses and changes nothing."""

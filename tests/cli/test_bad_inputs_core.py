@@ -96,9 +96,9 @@ import stat
 
 import pytest
 import torch
-from cli_cases_worker import run_table
-from conftest import umask
-from conversion_helpers import CALIBRATION_TEXT, chat_base, tiny_qwen3, tiny_tokenizer
+from helpers.cli_cases_worker import run_table
+from helpers.common import umask
+from helpers.conversion_helpers import CALIBRATION_TEXT, chat_base, tiny_qwen3, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
@@ -337,6 +337,7 @@ def test_the_table_lists_every_case(w):
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.slow
 def test_bad_input(results, w, name):
     got, before = results
     argv, cwd, rc, pattern, absent = _cases(w)[name]

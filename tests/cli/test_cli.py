@@ -3,7 +3,7 @@
 import json
 import os
 
-from tah2_helpers import tiny_qwen3
+from helpers.tah2_helpers import tiny_qwen3
 from transformers import AutoModelForCausalLM
 
 from hf_loops.cli import main

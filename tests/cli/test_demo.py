@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from eval_helpers import tiny_base, write_problems
-from picture_helpers import chromium_render_check, expected_colors, png_box_counts
+from helpers.eval_helpers import tiny_base, write_problems
+from helpers.picture_helpers import chromium_render_check, expected_colors, png_box_counts
 
 from hf_loops.cli import main
 from hf_loops.demo import run_demo, split_rows
@@ -33,6 +33,7 @@ def test_split_holds_out_the_last_rows_or_the_given_ones():
         split_rows(rows, 10)
 
 
+@pytest.mark.slow
 def test_demo_writes_report_checkpoints_and_data(demo):
     out = demo["out"]
     assert {"report.md", "eval.json", "depth_map.html", "depth_map.png", "loss_curves.png",
@@ -57,6 +58,7 @@ def test_demo_writes_report_checkpoints_and_data(demo):
     assert demo["result"]["table"].splitlines()[0].startswith("run")
 
 
+@pytest.mark.slow
 def test_pictures_are_not_blank_and_colour_every_token(demo):
     from matplotlib.image import imread
 
@@ -81,6 +83,7 @@ def test_pictures_are_not_blank_and_colour_every_token(demo):
         assert list(colors) == [want[d]]
 
 
+@pytest.mark.slow
 def test_hf_loops_eval_on_the_demo_checkpoints_reproduces_the_table(demo, tmp_path, capsys):
     argv = demo["result"]["eval_command"].split()[1:]
     argv[argv.index("--out") + 1] = str(tmp_path / "ev")
@@ -91,6 +94,7 @@ def test_hf_loops_eval_on_the_demo_checkpoints_reproduces_the_table(demo, tmp_pa
     assert demo["result"]["table"] in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_refuses_a_non_empty_out(demo, capsys):
     assert main(["demo", "--base", demo["base"], "--dataset", demo["data"], "--out", str(demo["out"])]) == 2
     err = capsys.readouterr().err.strip().splitlines()

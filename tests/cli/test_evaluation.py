@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from eval_helpers import PROBLEMS, decisive_tah2, tiny_base, write_problems
+from helpers.eval_helpers import PROBLEMS, decisive_tah2, tiny_base, write_problems
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_loops.analysis.flops_tah2 import decode_flops_standard
@@ -100,6 +100,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("which", ["tah2", "base"])
+@pytest.mark.slow
 def test_left_padded_batch_equals_per_row_loop(ckpts, which):
     kw = dict(dataset=ckpts["data"], max_new_tokens=10, progress=False, decider_accuracy=False)
     batched = evaluate(ckpts[which], batch_size=4, **kw)
@@ -152,6 +153,7 @@ def test_spiralformer_and_sgt_report_nll_answers_and_flops(ckpts):
         assert "mean_depth" not in m
 
 
+@pytest.mark.slow
 def test_cli_eval_writes_outputs_and_refuses_bad_input(ckpts, tmp_path, capsys):
     out = tmp_path / "ev"
     argv = ["eval", ckpts["tah2"], "--baseline", ckpts["standard"], "--dataset", ckpts["data"], "--split",
@@ -247,6 +249,7 @@ def test_exported_tah2_loads_and_runs_like_lm_eval_harness_calls_it(ckpts):
         assert text == _generate_one(model, tok, c, until)
 
 
+@pytest.mark.slow
 def test_lm_evaluation_harness_with_a_local_task(ckpts, tmp_path):
     lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install lm-eval)")
     from lm_eval.api.instance import Instance

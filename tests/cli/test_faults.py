@@ -5,8 +5,8 @@ import errno
 import os
 
 import pytest
-from eval_helpers import tiny_base, write_problems
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
+from helpers.eval_helpers import tiny_base, write_problems
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.core.outdir import TMP_PREFIX
 
@@ -73,6 +73,7 @@ def test_pretrain_on_a_full_disk_keeps_the_earlier_result(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("at_step", [2])
+@pytest.mark.slow
 def test_train_full_disk_during_a_checkpoint_loses_only_that_checkpoint(data, tmp_path, monkeypatch, capsys, at_step):
     from transformers import Trainer
 

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conversion_helpers import CALIBRATION_TEXT, qwen3_dir, tiny_qwen3, tiny_tokenizer
+from helpers.conversion_helpers import CALIBRATION_TEXT, qwen3_dir, tiny_qwen3, tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_loops import SGTForCausalLM, SpiralFormerForCausalLM
@@ -94,6 +94,7 @@ def test_cli_prints_parameters_parity_dtype_and_destination(converted):
     assert "loop plan:" in results["sgt"][1]
 
 
+@pytest.mark.slow
 def test_exports_load_with_the_package_and_with_remote_code_only(converted, tmp_path):
     _, results = converted
     dirs = [out for out, _ in results.values()]

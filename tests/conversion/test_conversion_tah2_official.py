@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conversion_helpers import Qwen3MLPIterDecider, tiny_qwen3, write_official_tah2
+from helpers.conversion_helpers import Qwen3MLPIterDecider, tiny_qwen3, write_official_tah2
 from transformers import AutoModelForCausalLM
 
 from hf_loops import TaH2ForCausalLM
@@ -265,6 +265,7 @@ def test_export_states_every_field_the_authors_loader_reads(tmp_path, kw, tied):
 
 
 @pytest.mark.parametrize("kw, tied", VARIANTS)
+@pytest.mark.slow
 def test_export_import_export_is_byte_stable(tmp_path, kw, tied):
     first = export_tah2(direct_tah2(tied=tied, **kw), tmp_path / "a")
     second = export_tah2(import_tah2(first), tmp_path / "b")
@@ -384,6 +385,7 @@ def test_export_refuses_a_decider_the_authors_cannot_build(tmp_path):
     assert not (tmp_path / "topk").exists()
 
 
+@pytest.mark.slow
 def test_seeded_sweep_export_meets_the_authors_loader_and_round_trips(tmp_path):
     """Over the exportable configuration space (seeded): the files meet the authors' loader field by field, import
     gives back the same config, weights and outputs, and a second export is byte-identical."""

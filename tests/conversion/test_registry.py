@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_qwen3_config
+from helpers.common import tiny_qwen3_config
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 import hf_loops  # noqa: F401

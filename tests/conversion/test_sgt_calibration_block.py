@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_helpers import tiny_qwen3, tiny_tokenizer
+from helpers.conversion_helpers import tiny_qwen3, tiny_tokenizer
 
 import hf_loops  # noqa: F401
 from hf_loops import SGTConfig

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from tah2_helpers import tiny_tah2
+from helpers.tah2_helpers import tiny_tah2
 from transformers import AutoModelForCausalLM
 
 from hf_loops import TaH2ForCausalLM
@@ -58,6 +58,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_export_loads_with_remote_code_without_hf_loops(tmp_path):
     model = tiny_tah2(max_iterations=2)
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))

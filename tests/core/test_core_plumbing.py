@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import umask as _umask
+from helpers.common import umask as _umask
 
 from hf_loops.core import errors, numbers, readers
 from hf_loops.core.outdir import TMP_PREFIX, atomic_output_dir, check_output_dir, lock_path, output_lock

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_qwen3_config
+from helpers.common import tiny_qwen3_config
 from transformers import AutoModelForCausalLM
 
 import hf_loops  # noqa: F401  (registers the architectures)
@@ -91,7 +91,7 @@ def test_spiralformer_derives_the_depth_from_the_three_counts_and_validates_choi
 
 
 def test_convert_qwen3_rejects_unknown_fields_and_accepts_qwen3_overrides():
-    from conftest import tiny_qwen3_config
+    from helpers.common import tiny_qwen3_config
     from transformers import Qwen3ForCausalLM
 
     from hf_loops.conversion import convert_qwen3

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from tah2_helpers import script_decider, tiny_qwen3, tiny_tah2
+from helpers.tah2_helpers import script_decider, tiny_qwen3, tiny_tah2
 from transformers import Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache
 
@@ -82,6 +82,7 @@ def _worst_relative_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("M", [1, 2, 3])
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
+@pytest.mark.slow
 def test_checkpointing_reentrant_or_not_gives_the_gradients_without_it(arch, M):
     ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(20 + M))
     loss_ref, ref = _loss_and_grads(BUILDERS[arch](M), ids, None)
@@ -293,6 +294,7 @@ def _count_crops(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
+@pytest.mark.slow
 def test_assisted_decoding_and_prompt_lookup_give_the_greedy_tokens(arch, monkeypatch):
     model = BUILDERS[arch](2)
     assistant = tah2_model(2, seed=7) if arch == "tah2" else BUILDERS[arch](2, seed=7)  # a different model: rejections

@@ -3,7 +3,7 @@ states in Qwen3's convention where the model has them, a clear error where it do
 
 import pytest
 import torch
-from conftest import tiny_qwen3_config
+from helpers.common import tiny_qwen3_config
 from transformers import Qwen3ForCausalLM
 
 from hf_loops import SGTConfig, SpiralFormerConfig

@@ -409,6 +409,7 @@ def test_save_and_auto_load_builds_the_plan(tmp_path):
         assert (loaded(x).logits - before).abs().max().item() == 0.0
 
 
+@pytest.mark.slow
 def test_export_loads_with_remote_code_without_hf_loops(tmp_path):
     model = with_plan(make(), PLAN)
     x = ids()

@@ -122,6 +122,7 @@ def test_supported_backends_load():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.slow
 def test_prefill_equals_eager(attn, variant, eager_flex):
     model = make(variant)
     x, mask = padded_batch()
@@ -138,6 +139,7 @@ def test_prefill_equals_eager(attn, variant, eager_flex):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.slow
 def test_cached_decode_equals_eager_full_forward(attn, variant, eager_flex):
     model = make(variant)
     x, mask = padded_batch()
@@ -157,6 +159,7 @@ def test_cached_decode_equals_eager_full_forward(attn, variant, eager_flex):
 
 
 @pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.slow
 def test_left_padding_equals_rows_alone(attn, eager_flex):
     model = make(attn=attn)
     x, mask = padded_batch()
@@ -174,6 +177,7 @@ def test_left_padding_equals_rows_alone(attn, eager_flex):
 
 
 @pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.slow
 def test_training_loss_and_gradients_equal_eager(attn, eager_flex):
     """Train-mode loss; gradients too where the backend has a CPU backward (torch's flex_attention has none)."""
     x, mask = padded_batch()
@@ -238,6 +242,7 @@ def test_compiled_flex_attention_equals_eager():
 
 @pytest.mark.parametrize("heads", [[0, 1], [0, 1, 2], [1, 2], [0, 1, 2, 3], [3], [0, 2, 3]])
 @pytest.mark.parametrize("attn", ["eager"] + BACKENDS)
+@pytest.mark.slow
 def test_sliced_head_layouts_equal_masked_with_and_without_cache(heads, attn, eager_flex):
     """GQA (4 query heads, 2 kv heads): one kv head serving two kept heads (interface GQA), uneven groups (K/V
     expanded per head), contiguous query rows (weight views), all heads (the whole weights), a single head."""

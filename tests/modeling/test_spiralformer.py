@@ -188,6 +188,7 @@ def _incremental_logits(model, ids, n0):
     ],
     ids=lambda o: "-".join(str(v) for v in o.values()),
 )
+@pytest.mark.slow
 def test_prefill_then_decode_equals_full_forward(overrides):
     model = make_model(**overrides)
     ids = torch.randint(2, VOCAB, (2, 21))
@@ -405,6 +406,7 @@ def test_qwen3_exactness_contract(topology):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_with_cache_equals_without_and_beam_search():
     model = make_model()
     ids = torch.randint(2, VOCAB, (2, 9))
@@ -422,6 +424,7 @@ def test_generate_with_cache_equals_without_and_beam_search():
 
 
 @pytest.mark.parametrize("topology", ["mesh", "anchor"])
+@pytest.mark.slow
 def test_left_padded_batch_equals_rows_alone(topology):
     model = make_model(topology=topology)
     rows = [torch.randint(2, VOCAB, (1, n)) for n in (5, 13, 9)]
@@ -461,6 +464,7 @@ def test_save_pretrained_auto_round_trip(tmp_path):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.slow
 def test_export_loads_with_remote_code_without_hf_loops(tmp_path):
     from hf_loops.conversion.export import export
 

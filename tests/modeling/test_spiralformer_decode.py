@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from sync_helpers import spy_syncs
+from helpers.sync_helpers import spy_syncs
 from test_spiralformer import VOCAB, make_config, make_model
 from transformers import DynamicCache
 
@@ -58,6 +58,7 @@ SCHEDULES = [
 
 
 @pytest.mark.parametrize("overrides", SCHEDULES, ids=lambda o: "-".join(map(str, o["chunk_sizes"])))
+@pytest.mark.slow
 def test_row_selective_decode_equals_full_forward_sweep(overrides):
     model = make_model(**overrides)
     rng = random.Random(sum(overrides["chunk_sizes"]))
@@ -78,6 +79,7 @@ def test_row_selective_decode_equals_full_forward_sweep(overrides):
         assert cache.get_seq_length() == ids.shape[1]
 
 
+@pytest.mark.slow
 def test_generate_greedy_beams_and_returned_sequences_with_cache_equal_without():
     model = make_model(chunk_sizes=[8, 4, 2, 1])
     ids, mask = left_padded([6, 11, 3, 9], seed=3)
@@ -247,6 +249,7 @@ def _eager_flex(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.slow
 def test_sdpa_and_flex_attention_match_eager_prefill_and_decode(monkeypatch):
     _eager_flex(monkeypatch)
     model = make_model(chunk_sizes=[4, 2, 1])

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from tah2_helpers import min_margin, pattern_by_hidden, pattern_by_sign, script_decider, tiny_qwen3, tiny_tah2
+from helpers.tah2_helpers import min_margin, pattern_by_hidden, pattern_by_sign, script_decider, tiny_qwen3, tiny_tah2
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3ForCausalLM
 
 import hf_loops

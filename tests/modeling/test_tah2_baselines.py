@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from tah2_helpers import tiny_qwen3
+from helpers.tah2_helpers import tiny_qwen3
 
 from hf_loops import TAH2_PRESETS, TaH2Config
 from hf_loops.analysis.flops_tah2 import per_call_flops
@@ -227,7 +227,7 @@ def test_ouro_stage2_training_moves_only_the_gate(tmp_path):
 # Through `hf-loops train`: a few CPU steps, save, load with and without hf_loops, generate
 # ----------------------------------------------------------------------------------------------------------------------
 
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: E402,F401  (the `data` fixture)
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: E402,F401  (the `data` fixture)
 
 CHILD = """
 import sys
@@ -243,6 +243,7 @@ for path in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow
 def test_both_baselines_train_save_load_by_remote_code_and_generate(data, tmp_path):
     import os
     import subprocess

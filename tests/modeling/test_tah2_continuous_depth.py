@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-from sync_helpers import spy_syncs
-from tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
+from helpers.sync_helpers import spy_syncs
+from helpers.tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -80,6 +80,7 @@ def _sweep_cases(n):
 
 @pytest.mark.parametrize("case", list(_sweep_cases(30)), ids=lambda c: f"M{c['M']}-{c['mode']}-{c['decider']}-"
                          f"{'x'.join(map(str, c['lengths']))}-n{c['new']}{'-eos' if c['eos'] else ''}")
+@pytest.mark.slow
 def test_greedy_equals_lockstep_and_rows_alone(case):
     model = _model(case["seed"] % 7, case["M"], case["mode"], case["decider"])
     ids, mask = left_padded_batch(case["lengths"], seed=case["seed"])
@@ -120,6 +121,7 @@ def test_depths_really_mix_and_steps_are_fewer_than_lockstep_passes():
     dict(do_sample=True, top_k=1),  # deterministic sampling: equal to greedy
     dict(do_sample=True, top_k=1, num_return_sequences=3),
 ])
+@pytest.mark.slow
 def test_logits_processors_and_return_sequences_equal_lockstep(extra):
     model = _model(2, 3, "duo", "by-sign")
     ids, mask = left_padded_batch([5, 3], seed=4)
@@ -325,6 +327,7 @@ def test_per_call_loop_knobs_and_inputs_embeds():
     assert torch.equal(a, b) and a.shape == (2, 8)
 
 
+@pytest.mark.slow
 def test_kv_buffer_grows_past_its_first_reserve():
     model = _model(5, 2, "duo", "all-continue")
     ids, mask = left_padded_batch([3], seed=18)

@@ -7,7 +7,7 @@ build here), the deeper depths under sdpa."""
 
 import pytest
 import torch
-from tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
+from helpers.tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -33,6 +33,7 @@ def _batch():
     return ids, mask
 
 
+@pytest.mark.slow
 def test_flex_full_forward_equals_eager(models):
     eager, flex = models["duo"]
     ids, mask = _batch()
@@ -44,6 +45,7 @@ def test_flex_full_forward_equals_eager(models):
     assert (a.logits - b.logits)[real].abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_flex_cached_decode_equals_eager_full_forward(models):
     eager, flex = models["duo"]
     ids, mask = _batch()
@@ -58,6 +60,7 @@ def test_flex_cached_decode_equals_eager_full_forward(models):
     assert (torch.cat(logits, 1) - full.logits)[real].abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_flex_backward_on_cpu_is_torchs_limit_not_ours(models):
     """Training under flex needs an accelerator: torch 2.13 has no CPU backward for flex_attention."""
     _, flex = models["duo"]
@@ -109,6 +112,7 @@ def test_flash_attention_runs_stream_zero_and_sdpa_runs_the_deeper_depths(monkey
     assert calls[-1] == (1, 10)
 
 
+@pytest.mark.slow
 def test_flex_causality_a_later_token_never_changes_earlier_outputs(models):
     _, flex = models["duo"]
     ids, mask = _batch()

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-from sync_helpers import spy_syncs
-from tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
+from helpers.sync_helpers import spy_syncs
+from helpers.tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_by_sign, script_decider, tiny_tah2
 
 from hf_loops.modeling.cache_tah2 import TaH2Cache
 

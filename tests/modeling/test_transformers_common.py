@@ -76,7 +76,7 @@ def _install_common_tests_package() -> None:
 
 _install_common_tests_package()
 
-from looped_tiny_configs import ARCHS  # noqa: E402
+from helpers.looped_tiny_configs import ARCHS  # noqa: E402
 from transformers_tests import test_modeling_common as _common  # noqa: E402
 from transformers_tests.test_configuration_common import ConfigTester  # noqa: E402
 from transformers_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
@@ -149,6 +149,11 @@ SKIP_BY_ARCH: dict[str, dict[str, str]] = {
 RUN_UNDER_EAGER = {"test_model_outputs_equivalence"}
 RUN_WITHOUT_ATTENTIONS = {"spiralformer": {"test_model_outputs_equivalence"}}
 
+
+# The ~450 common tests take ~80 s on 2 cores (the overfit run alone trains 100 steps per architecture): `make test`
+# runs them all; the quick run (`pytest -m "not slow"`) keeps only our own three per architecture (tests/conftest.py
+# marks every other test of a module with QUICK_BY_NAME as slow).
+QUICK_BY_NAME = {"test_config", "test_model", "test_causal_lm"}
 
 SKIPPED_BY_NAME = "skipped by name: "  # the reason's prefix (the session summary counts these apart)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from looped_tiny_configs import ARCHS, tiny_causal_lm
+from helpers.looped_tiny_configs import ARCHS, tiny_causal_lm
 
 PAD = ARCHS["tah2_m1"]["config"]["pad_token_id"]
 VOCAB = ARCHS["tah2_m1"]["config"]["vocab_size"]

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import tiny_qwen3
-from conversion_helpers import tiny_tokenizer
+from helpers.common import tiny_qwen3
+from helpers.conversion_helpers import tiny_tokenizer
 
 pytest.importorskip("fastapi", reason="serving needs transformers' serving extras (pip install 'hf_loops[serve]')")
 pytest.importorskip("uvicorn", reason="serving needs transformers' serving extras (pip install 'hf_loops[serve]')")
@@ -119,6 +119,7 @@ def test_tah2_served_by_the_command_line_answers_like_greedy_generate(tmp_path):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.slow
 def test_served_model_answers_like_greedy_generate(arch, tmp_path):
     from hf_loops.serving.http import add_arguments, serve
 

@@ -9,8 +9,8 @@ import sys
 import textwrap
 
 import pytest
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 from safetensors.torch import load_file
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.core.outdir import TMP_PREFIX, lock_path
 from hf_loops.training.checkpoints import complete_checkpoints, last_complete_checkpoint
@@ -124,6 +124,7 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_runs(da
     assert not os.path.exists(lock_path(str(out)))
 
 
+@pytest.mark.slow
 def test_resuming_a_standard_run_as_tah2_names_the_settings(data, tmp_path, capsys):
     run = tmp_path / "std"
     assert train_main(_argv(data, run, "--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1",

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import SHARED
+from helpers.common import SHARED
 
 from hf_loops.data import (
     EVAL_ROWS,
@@ -123,6 +123,7 @@ def _corpus_dir(tmp_path):
     return str(tmp_path)
 
 
+@pytest.mark.slow
 def test_pretrain_script_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 

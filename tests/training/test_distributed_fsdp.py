@@ -57,10 +57,10 @@ def launch(config_file, modes, out, timeout=240, **extra_env):
     torch.distributed variables left by earlier in-process runs), with a watchdog in the worker; a hang fails here."""
     keep = ("PATH", "HOME", "TMPDIR", "LANG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
     env = {k: os.environ[k] for k in keep if k in os.environ}
-    env.update(PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
                HF_DIST_WATCHDOG_S=str(timeout - 30), **extra_env)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-           os.path.join(HERE, "dist_fsdp_worker.py"), modes, str(out)]
+           os.path.join(HERE, "helpers", "dist_fsdp_worker.py"), modes, str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "File " in line]
     assert res.returncode == 0, "\n".join(errors[-40:]) or res.stderr[-3000:]
@@ -91,11 +91,12 @@ def fsdp2_config_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The reference: one process, the union batch, no FSDP."""
-    from dist_fsdp_worker import main
+    from helpers.dist_fsdp_worker import main
 
     return main("fsdp", str(tmp_path_factory.mktemp("one")))
 
 
+@pytest.mark.slow
 def test_evaluation_step_synchronises_depth_passes_across_ranks(two_ranks):
     r0, r1 = two_ranks["eval0"], two_ranks["eval1"]
     m0, m1 = r0["eval_metrics"], r1["eval_metrics"]
@@ -107,6 +108,7 @@ def test_evaluation_step_synchronises_depth_passes_across_ranks(two_ranks):
     assert len(r0["delta_cut"]) == 2  # M − 1 = 2 depth decisions were labelled
 
 
+@pytest.mark.slow
 def test_fsdp2_step_matches_one_process_on_the_union_batch(two_ranks, one_process):
     a, b, one = two_ranks["fsdp0"], two_ranks["fsdp1"], one_process
     assert a["wrapped"].startswith("FSDP") and a["sharded_layer"] == "FSDPQwen3DecoderLayer"  # fully_shard applied
@@ -139,6 +141,7 @@ def check_same_step_as_one_process(a, b, one):
         assert (a["weights"][key] - value).abs().max() <= 1e-5, key
 
 
+@pytest.mark.slow
 def test_fsdp2_accelerate_config_file_shards_every_parameter(fsdp2_config_ranks, one_process):
     a, b = fsdp2_config_ranks["config0"], fsdp2_config_ranks["config1"]
     for rank in (a, b):

@@ -321,6 +321,7 @@ def _example():
 
 
 @pytest.mark.skipif(not CORPUS.is_dir() or not TOKENIZER.is_dir(), reason="shared/data not available")
+@pytest.mark.slow
 def test_trainer_run_grows_on_schedule_and_resumes(tmp_path):
     example = _example()
     common = ["--corpus-dir", str(CORPUS), "--tokenizer", str(TOKENIZER), "--compact-vocab", "--max-chars", "20000",
@@ -380,6 +381,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_two_rank_all_reduce_equals_one_process(tmp_path):
     """Rank r sees micro-batch r; after all_reduce both ranks hold the EMA one process gets from both micro-batches.
     This process is rank 0 (its imports are warm), a subprocess is rank 1."""

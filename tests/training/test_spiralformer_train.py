@@ -27,6 +27,7 @@ def _load_example():
 
 @needs_data
 @pytest.mark.parametrize("topology", ["mesh", "anchor"])
+@pytest.mark.slow
 def test_trl_fused_lm_head_loss_equals_own_forward(tmp_path, topology):
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -65,6 +66,7 @@ def test_trl_fused_lm_head_loss_equals_own_forward(tmp_path, topology):
 
 
 @needs_data
+@pytest.mark.slow
 def test_short_pretraining_lowers_the_loss(tmp_path):
     example = _load_example()
     results = {}

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from tah2_helpers import tiny_tah2
-from tah2_sweep import DECIDERS, PADDINGS, ArgsNS, install_decider, make_batch, run_case
+from helpers.tah2_helpers import tiny_tah2
+from helpers.tah2_sweep import DECIDERS, PADDINGS, ArgsNS, install_decider, make_batch, run_case
 
 from hf_loops.training.tah2_trainer import metric_values
 
@@ -37,6 +37,7 @@ def _close(a, b, what):
     assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), (what, (a - b).abs().max())
 
 
+@pytest.mark.slow
 def test_flat_packing_equals_per_row_packing_over_a_seeded_sweep():
     args = ArgsNS()
     rng = random.Random(2027)

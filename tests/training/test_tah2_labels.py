@@ -4,7 +4,7 @@ import types
 
 import pytest
 import torch
-from tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
+from helpers.tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
 
 from hf_loops.modeling.modeling_tah2 import iteration_visibility
 from hf_loops.training.tah2_labels import compute_depth_labels, coverage_cutoff, decider_bce_sum

@@ -39,6 +39,7 @@ def _argv(data, out, arch, *extra):
 
 
 @pytest.mark.parametrize("arch", ["tah2", "tah2-fixed", "standard"])
+@pytest.mark.slow
 def test_train_script_30_steps_loss_falls_and_checkpoint_generates(data, tmp_path, arch):
     trainer = train_run(_argv(data, tmp_path / "out", arch, "--logging_steps", "10"))
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -60,6 +61,7 @@ def test_train_script_30_steps_loss_falls_and_checkpoint_generates(data, tmp_pat
             "modeling_tah2.py"} <= set(os.listdir(tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_the_run(data, tmp_path):
     extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1")
     full = train_run(_argv(data, tmp_path / "full", "tah2", *extra))
@@ -75,8 +77,8 @@ def test_resume_from_checkpoint_continues_the_run(data, tmp_path):
 
 
 def test_lora_targets_backbone_linears_and_trains_updater_and_decider_fully():
+    from helpers.tah2_helpers import tiny_tah2
     from peft import get_peft_model
-    from tah2_helpers import tiny_tah2
 
     from hf_loops.training.train_tah2 import lora_config
 
@@ -91,6 +93,7 @@ def test_lora_targets_backbone_linears_and_trains_updater_and_decider_fully():
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)
 
 
+@pytest.mark.slow
 def test_lora_run_saves_a_merged_checkpoint(data, tmp_path):
     train_run(_argv(data, tmp_path / "lora", "tah2", "--lora", "--lora-r", "4", "--max_steps", "2",
                     "--logging_steps", "1"))
@@ -99,6 +102,7 @@ def test_lora_run_saves_a_merged_checkpoint(data, tmp_path):
     assert not any("lora" in n or "modules_to_save" in n for n, _ in model.named_parameters())
 
 
+@pytest.mark.slow
 def test_train_script_errors(data, tmp_path, capsys):
     assert train_main(_argv(data, tmp_path / "x", "tah2")[:-4] + ["--recipe", "nope"]) == 2
     assert "recipe" in capsys.readouterr().err
@@ -114,17 +118,18 @@ def test_train_script_errors(data, tmp_path, capsys):
     assert "offline" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_ranks_pool_cutoffs_and_class_balance_like_one_process(tmp_path):
     out = tmp_path / "dist.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "dist_labels_worker.py"), str(out)]
+           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(HERE, "helpers", "dist_labels_worker.py"), str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     dist = torch.load(out)
     assert dist["world"] == 2
     sys.path.insert(0, HERE)
-    from dist_labels_worker import fixed_batch
+    from helpers.dist_labels_worker import fixed_batch
 
     executed, losses, look, supervised, M = fixed_batch()
     one = compute_depth_labels(executed, losses, look, supervised, M, coverage=0.9)
@@ -148,6 +153,7 @@ def test_messages_without_generation_markers_train_on_the_final_assistant_turn(d
         assistant_only_dataset(bad, tok)
 
 
+@pytest.mark.slow
 def test_packed_padding_free_training_runs_and_logs_depth(data, tmp_path):
     trainer = train_run(_argv(data, tmp_path / "packed", "tah2", "--packing", "true", "--max_steps", "2",
                               "--logging_steps", "1", "--per_device_train_batch_size", "2"))

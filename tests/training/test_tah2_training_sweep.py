@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch
-from tah2_helpers import tiny_qwen3, tiny_tah2
-from tah2_sweep import (
+from helpers.tah2_helpers import tiny_qwen3, tiny_tah2
+from helpers.tah2_sweep import (
     DECIDERS,
     PADDINGS,
     ArgsNS,
@@ -153,6 +153,7 @@ def _compare_rows_alone(model, batch, extra, args, out, look, metrics):
     assert abs(float(metrics["ntp_loss"][0]) - nll_rows) < 1e-4 * max(1.0, abs(nll_rows))
 
 
+@pytest.mark.slow
 def test_training_sweep_over_deciders_padding_depths_modes_and_checkpointing():
     args = ArgsNS()
     compared = 0
@@ -204,6 +205,7 @@ def test_sweep_covers_some_depth2_none_depth3_and_a_fully_padded_row(M):
     assert torch.isfinite(loss)
 
 
+@pytest.mark.slow
 def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     """The sweep under DDP (with and without unused-parameter detection): ranks execute different depths, often one
     rank continues nothing; loss, backward, gradient sync and pooled labels all hold."""
@@ -213,10 +215,10 @@ def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     # variables) must not reach the two ranks.
     keep = ("PATH", "HOME", "TMPDIR", "LANG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
     env = {k: os.environ[k] for k in keep if k in os.environ}
-    env.update(PYTHONPATH=here, OMP_NUM_THREADS="1", HF_SWEEP_WATCHDOG_S="240")
+    env.update(PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]), OMP_NUM_THREADS="1", HF_SWEEP_WATCHDOG_S="240")
     # --standalone: torchrun picks its own free port (no race between choosing a port and binding it)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(here, "dist_sweep_worker.py"), str(out), "40"]
+           os.path.join(here, "helpers", "dist_sweep_worker.py"), str(out), "40"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     errors = [line for line in res.stderr.splitlines() if "Error" in line or "File " in line]
     assert res.returncode == 0, "\n".join(errors[-40:]) or res.stderr[-4000:]
@@ -231,15 +233,16 @@ def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
 
 
 def _needs_shared_tokenizer():
-    from trainer_metrics_worker import SHARED_TOKENIZER
+    from helpers.trainer_metrics_worker import SHARED_TOKENIZER
 
     if not os.path.isdir(SHARED_TOKENIZER):
         pytest.skip("../shared/data/qwen3-tokenizer is not present")
 
 
+@pytest.mark.slow
 def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_path):
     _needs_shared_tokenizer()
-    from trainer_metrics_worker import build_trainer, logged
+    from helpers.trainer_metrics_worker import build_trainer, logged
 
     one = logged(build_trainer(str(tmp_path / "a"), per_device=4, accumulation=1))
     accumulated = logged(build_trainer(str(tmp_path / "b"), per_device=2, accumulation=2))
@@ -250,7 +253,7 @@ def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_
     out.parent.mkdir()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           os.path.join(here, "trainer_metrics_worker.py"), str(out), "2", "1"]
+           os.path.join(here, "helpers", "trainer_metrics_worker.py"), str(out), "2", "1"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     two = json.loads(out.read_text())
@@ -262,9 +265,10 @@ def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_
     assert one["loss"] == pytest.approx(one["ntp_loss"] + 0.05 * one["decider_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_predict_returns_the_mixture_log_probabilities(tmp_path):
     _needs_shared_tokenizer()
-    from trainer_metrics_worker import build_trainer
+    from helpers.trainer_metrics_worker import build_trainer
 
     trainer = build_trainer(str(tmp_path), per_device=2, accumulation=1, per_device_eval_batch_size=2)
     seen = {}

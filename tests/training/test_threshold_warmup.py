@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from train_cli_helpers import tiny_train_setup  # noqa: F401  (the `data` fixture)
+from helpers.train_cli_helpers import tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.training.tah2_trainer import TaH2SFTConfig
 from hf_loops.training.train_tah2 import run as train_run

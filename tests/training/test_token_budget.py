@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
-from conversion_helpers import tiny_tokenizer
 from datasets import Dataset
-from tah2_helpers import tiny_tah2
+from helpers.conversion_helpers import tiny_tokenizer
+from helpers.tah2_helpers import tiny_tah2
 
 from hf_loops.training.tah2_trainer import TaH2SFTConfig, TaH2SFTTrainer, tah2_joint_loss
 from hf_loops.training.token_budget import (
@@ -171,10 +171,11 @@ def test_paper_recipe_batches_by_token_budget(tmp_path):
     assert config.max_length is None and budget.max_length == 16384
 
 
+@pytest.mark.slow
 def test_train_command_takes_the_budget_options(tmp_path, capsys):
     import os
 
-    from conftest import SHARED
+    from helpers.common import SHARED
 
     from hf_loops.training.train_tah2 import run
 

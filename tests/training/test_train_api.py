@@ -2,13 +2,14 @@
 (the CLI parses its words into the same call), unknown names refused with the closest valid one."""
 
 import pytest
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 from safetensors.torch import load_file
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.training.train_tah2 import main as train_main
 from hf_loops.training.train_tah2 import train
 
 
+@pytest.mark.slow
 def test_train_from_python_equals_the_command_line(data, tmp_path):
     assert train_main(_argv(data, tmp_path / "cli", "--max-iterations", "3")) == 0
     trainer = train(data["base"], data["train"], tmp_path / "api", "tah2", tokenizer=data["tokenizer"],

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from tah2_helpers import tiny_tah2
-from train_cli_helpers import CHILD, _argv, _qa, tiny_train_setup  # noqa: F401  (the `data` fixture)
+from helpers.tah2_helpers import tiny_tah2
+from helpers.train_cli_helpers import CHILD, _argv, _qa, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.training import train_tah2
 from hf_loops.training.train_tah2 import main as train_main
@@ -126,6 +126,7 @@ def test_padding_free_training_runs_with_max_length_none(data, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_trainer_checkpoints_load_with_remote_code_without_hf_loops(data, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -216,6 +217,7 @@ def test_threshold_buffer_of_lower_precision_reads_as_its_shortest_decimal():
 
 # 7. Failures: one last line on stderr, --debug for the traceback
 
+@pytest.mark.slow
 def test_training_failure_is_the_last_stderr_line(data, tmp_path, capsys, monkeypatch):
     from hf_loops.cli import main as cli_main
     from hf_loops.training.tah2_trainer import TaH2SFTTrainer

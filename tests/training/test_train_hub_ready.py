@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import yaml
-from train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
+from helpers.train_cli_helpers import _argv, tiny_train_setup  # noqa: F401  (the `data` fixture)
 
 from hf_loops.training.train_tah2 import run as train_run
 
@@ -106,7 +106,7 @@ def test_push_to_hub_uploads_the_complete_repository_in_one_commit(trained):
 
 
 def test_card_names_a_hub_base_model_and_hub_datasets():
-    from tah2_helpers import tiny_tah2
+    from helpers.tah2_helpers import tiny_tah2
 
     from hf_loops.conversion.model_card import render_model_card
 

@@ -17,7 +17,7 @@ import torch
 from hf_loops import SGTConfig, SGTForCausalLM, SpiralFormerConfig, SpiralFormerForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tah2_helpers import script_decider
+from helpers.tah2_helpers import script_decider
 
 from hf_loops.conversion import convert_qwen3
 
@@ -99,6 +99,7 @@ def assert_one_line_refusal(err):
 
 @needs_tokenizer
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
+@pytest.mark.slow
 def test_stock_sft_trainer_refuses_a_looped_tah2_with_one_line_and_changes_nothing(tokenizer, tmp_path,
                                                                                     gradient_checkpointing):
     model = tah2(tokenizer, M=2)
@@ -115,6 +116,7 @@ def test_stock_sft_trainer_refuses_a_looped_tah2_with_one_line_and_changes_nothi
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_tah2sfttrainer_on_the_same_set_up_trains_updater_and_decider(tokenizer, tmp_path):
     from datasets import Dataset
 
@@ -149,6 +151,7 @@ def test_stock_sft_trainer_on_a_one_depth_tah2_is_its_own_loss(tokenizer, tmp_pa
 
 @needs_tokenizer
 @pytest.mark.parametrize("arch", ["spiralformer", "sgt"])
+@pytest.mark.slow
 def test_stock_sft_trainer_loss_is_the_models_own_loss(tokenizer, tmp_path, arch):
     model = {"spiralformer": spiral, "sgt": sgt}[arch](tokenizer)
     trainer = sft_trainer(model, tokenizer, tmp_path)
@@ -176,6 +179,7 @@ def test_stock_sft_trainer_loss_is_the_models_own_loss(tokenizer, tmp_path, arch
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_plain_transformers_trainer_trains_tah2_with_the_mixture_loss(tokenizer, tmp_path):
     from datasets import Dataset
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -207,6 +211,7 @@ def test_plain_transformers_trainer_trains_tah2_with_the_mixture_loss(tokenizer,
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_stock_dpo_trainer_refuses_a_looped_tah2(tokenizer, tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -225,6 +230,7 @@ def test_stock_dpo_trainer_refuses_a_looped_tah2(tokenizer, tmp_path):
 
 
 @needs_tokenizer
+@pytest.mark.slow
 def test_stock_grpo_trainer_refuses_a_looped_tah2(tokenizer, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

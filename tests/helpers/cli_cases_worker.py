@@ -36,7 +36,7 @@ def run_table(cases: dict, root, timeout: int = 600) -> dict:
     returns {name: {"rc", "stdout", "stderr"}}. The package of this checkout comes before any installed copy."""
     import subprocess
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
     spec = [{"name": n, "argv": a, "cwd": str(c)} for n, (a, c, *_rest) in cases.items()]
     cases_path, results_path = os.path.join(root, "cases.json"), os.path.join(root, "results.json")
     with open(cases_path, "w") as f:

@@ -5,8 +5,9 @@ import json
 import os
 
 import torch
-from conftest import tiny_qwen3, tiny_qwen3_config  # noqa: F401  (re-exported for the tests)
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+from helpers.common import tiny_qwen3, tiny_qwen3_config  # noqa: F401  (re-exported for the tests)
 
 CALIBRATION_TEXT = (
     "Looped transformers think harder on hard tokens. The quick brown fox jumps over the lazy dog. "

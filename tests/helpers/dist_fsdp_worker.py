@@ -17,14 +17,12 @@ import sys
 import torch
 from datasets import Dataset
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `helpers`
 
-from conversion_helpers import tiny_tokenizer  # noqa: E402
-from tah2_helpers import script_decider, tiny_tah2  # noqa: E402
-
-from hf_loops.training.tah2_trainer import TaH2SFTConfig, TaH2SFTTrainer  # noqa: E402
-from hf_loops.training.train_tah2 import check_launch, final_state_dict, fsdp_on_cpu, unsharded_model  # noqa: E402
+from helpers.conversion_helpers import tiny_tokenizer
+from helpers.tah2_helpers import script_decider, tiny_tah2
+from hf_loops.training.tah2_trainer import TaH2SFTConfig, TaH2SFTTrainer
+from hf_loops.training.train_tah2 import check_launch, final_state_dict, fsdp_on_cpu, unsharded_model
 
 ROWS, LENGTH, M = 4, 12, 3
 

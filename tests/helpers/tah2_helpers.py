@@ -1,8 +1,8 @@
 """Shared builders for the TaH2 tests: tiny random Qwen3 models and scripted deciders."""
 
 import torch
-from conftest import tiny_qwen3, tiny_qwen3_config  # noqa: F401  (re-exported for the tests)
 
+from helpers.common import tiny_qwen3, tiny_qwen3_config  # noqa: F401  (re-exported for the tests)
 from hf_loops.conversion import convert_qwen3
 
 

@@ -13,8 +13,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from tah2_helpers import tiny_tah2
-from tah2_sweep import (
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers.tah2_helpers import tiny_tah2
+from helpers.tah2_sweep import (
     DECIDERS,
     PADDINGS,
     ArgsNS,
@@ -24,7 +26,6 @@ from tah2_sweep import (
     reference_labels,
     run_case,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def main(out_path, n_cases):

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from hf_loops.conversion import convert_qwen3
 from hf_loops.training.tah2_trainer import TaH2SFTConfig, TaH2SFTTrainer
 
-SHARED_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
-                                "qwen3-tokenizer")
+SHARED_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..",
+                                "shared", "data", "qwen3-tokenizer")
 
 
 def rows(tok):
