@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from conftest import tiny_qwen3
-from tah2_helpers import tiny_tah2
+from helpers.tah2_helpers import tiny_tah2
 
 from hf_loops.analysis.trace import _adapter_for, capture_trace
 from hf_loops.conversion import convert_qwen3
