@@ -134,8 +134,10 @@ def compute_depth_labels(
 def decider_bce_sum(decider_logits: list, labels: DepthLabels, margin: float = 0.0) -> torch.Tensor:
     """Σ_m Σ_t w(m) · BCE(g(m), c(m)) with positive weight β(m), fp32 (Eq. 26); `margin` shifts the logit ∓."""
     total = None
+    # The labels cover every depth 1..M-1; the model returns decider logits only for the depths some token reached
+    # (its per-depth buffers grow with the depth reached), so the zip stops at the deepest decision taken.
     for _m, (logit, c, w, terms, beta) in enumerate(
-        zip(decider_logits, labels.continue_labels, labels.weights, labels.bce_mask, labels.beta, strict=True)
+        zip(decider_logits, labels.continue_labels, labels.weights, labels.bce_mask, labels.beta, strict=False)
     ):
         target = c.float()
         shifted = logit.float() - margin * (2 * target - 1)
