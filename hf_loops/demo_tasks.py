@@ -26,7 +26,7 @@ from .evaluation import TRAIN_SUMMARY, evaluate, load_examples, output_dir, writ
 
 # The settings both runs share (TaH2SFTConfig fields). Sized so the whole demo fits in 5 minutes on 2 CPU cores.
 DEMO_TRAINING = {
-    "max_steps": 30,
+    "max_steps": 20,
     "learning_rate": 1e-3,
     "lr_scheduler_type": "cosine",
     "warmup_steps": 2,
@@ -250,93 +250,185 @@ def verdict(agg: dict) -> list[str]:
     return lines
 
 
-def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: int | None = None,
-                        training: dict | None = None, sizes: dict | None = None, archs=None,
-                        progress: bool = False, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
-    """Train and evaluate every arch × seed; write `out/` (report.md, runs.json, em_vs_flops.png,
-    deep_share_by_class.png, depth_map.html/.png and loss_curves.png of the first seed, data/)."""
-    from . import data
-    from .evaluation import markdown_table
+def default_workers() -> int:
+    """Worker processes for the runs: one per core, at most 2 (each runs torch at 1 thread; at this model size one
+    run gains nothing from a second thread, so two runs side by side use two cores fully)."""
+    return max(1, min(2, os.cpu_count() or 1))
 
-    t_start = time.perf_counter()
+
+def _job_cost(job: dict) -> float:
+    """A rough relative cost, to start the longest runs first (the last worker to finish sets the wall time)."""
+    depth = 1.0 if job["arch"] == "standard" else 2.3
+    return job["settings"]["max_steps"] * job["settings"].get("max_length", 160) * depth
+
+
+def run_job(job: dict) -> dict:
+    """One run, in a worker: post-train, evaluate on the held-out file, remove the checkpoint unless `keep`.
+    Returns `evaluate`'s result with the training summary under "training"."""
+    from .evaluation import set_threads
+
+    set_threads(job.get("threads", 1))
+    t0 = time.perf_counter()
+    train_one(job["base"], job["arch"], job["train_file"], job["ckpt"], job["settings"], job["seed"],
+              job.get("max_iterations"))
+    r = evaluate(job["ckpt"], examples=load_examples(job["heldout"]), batch_size=job["batch_size"],
+                 max_new_tokens=job["max_new_tokens"], progress=False,
+                 decider_accuracy=job.get("decider_accuracy", False), name=job.get("name"))
+    if not job.get("keep"):
+        shutil.rmtree(job["ckpt"])
+    print(f"[demo] {job['task']} seed {job['seed']}: {job['arch']} done ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
+    return r
+
+
+def run_jobs(jobs: list[dict], workers: int | None = None) -> list[dict]:
+    """`run_job` over `jobs` (results in the order given), longest first, on `workers` processes (1: in this
+    process). Runs are independent (each has its own seed, output folder and threads), so the order and the
+    worker a run lands on do not change its numbers; only its wall time, which the report says."""
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    order = sorted(range(len(jobs)), key=lambda i: -_job_cost(jobs[i]))
+    results: list[dict | None] = [None] * len(jobs)
+    if workers == 1 or len(jobs) == 1:
+        for i in order:
+            results[i] = run_job(jobs[i])
+        return results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: a forked child inherits torch's thread pools in whatever state the parent left them
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {i: pool.submit(run_job, jobs[i]) for i in order}
+        for i, f in futures.items():
+            results[i] = f.result()
+    return results
+
+
+def arithmetic_settings(steps: int | None = None, training: dict | None = None, progress: bool = False) -> dict:
     settings = {**DEMO_TRAINING, **ARITHMETIC_TRAINING, **({} if progress else {"disable_tqdm": True}),
                 **(training or {})}
     if steps is not None:
-        if steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {steps}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"--steps must be an integer >= 1, got {steps!r}")
         settings["max_steps"] = steps
+    return settings
+
+
+def arithmetic_part(tmp: str, base32: str, seeds=SEEDS, steps: int | None = None, training: dict | None = None,
+                    sizes: dict | None = None, archs=None, progress: bool = False,
+                    max_new_tokens: int = MAX_NEW_TOKENS):
+    """Write the splits into `tmp`/data and return (jobs, finish): `run_jobs(jobs)` trains and evaluates every
+    arch × seed, `finish(results)` writes the report, runs.json and pictures into `tmp` and returns the summary.
+    Split in two so that `hf-loops demo --task both` runs the GSM8K and arithmetic runs in one pool of workers."""
+    settings = arithmetic_settings(steps, training, progress)
     archs = [a for a, _ in ARCHS if archs is None or a in archs]
     if "standard" not in archs:
         raise ValueError("the arithmetic demo needs the 'standard' run (the baseline of every ratio)")
+    seeds = tuple(seeds)
+    sizes = {**SIZES, **(sizes or {})}
+    paths = A.write_splits(os.path.join(tmp, "data"), seed=DATA_SEED, **sizes)
+    # every run reads only its max_steps × batch problems (one epoch or less): tokenise only those
+    used = settings["max_steps"] * settings["per_device_train_batch_size"]
+    train_file = os.path.join(tmp, "runs", "train_used.jsonl")
+    os.makedirs(os.path.dirname(train_file))
+    with open(paths["train"], encoding="utf-8") as src, open(train_file, "w", encoding="utf-8") as dst:
+        dst.writelines(line for _, line in zip(range(used), src, strict=False))
+    label_of = dict(ARCHS)
+    jobs = [{"task": "arithmetic", "base": base32, "arch": arch, "seed": seed, "settings": settings,
+             "train_file": train_file, "ckpt": os.path.join(tmp, "runs", f"{arch}_seed{seed}"),
+             "heldout": paths["heldout"], "batch_size": sizes["n_heldout"] or 1, "max_new_tokens": max_new_tokens,
+             "name": label_of[arch]} for seed in seeds for arch in archs]
+    t_start = time.perf_counter()
+
+    def finish(results: list[dict]) -> dict:
+        shutil.rmtree(os.path.join(tmp, "runs"))
+        return _arithmetic_outputs(tmp, jobs, results, settings, seeds, sizes, t_start)
+
+    return jobs, finish
+
+
+def _arithmetic_outputs(tmp, jobs, results, settings, seeds, sizes, t_start) -> dict:
+    from .evaluation import markdown_table
+
+    runs = {}
+    first = []  # the first seed's full results, for the depth pictures
+    for job, r in zip(jobs, results, strict=True):
+        if job["seed"] == seeds[0]:
+            first.append(r)
+        runs.setdefault(job["arch"], []).append({
+            "seed": job["seed"], "metrics": r["metrics"], "train_runtime": r["training"]["train_runtime"],
+            "class_shares": A.class_deep_shares(r["examples"]),
+            "samples": [e["generated_text"] for e in r["examples"][:3]]})
+    agg = aggregate(runs)
+    headers, rows = table(agg)
+    ch, crows = class_table(agg)
+    plot_em_vs_flops(agg, os.path.join(tmp, "em_vs_flops.png"))
+    plot_class_shares(agg, os.path.join(tmp, "deep_share_by_class.png"))
+    write_pictures(first, tmp)  # depth_map.html/.png of TaH2 (first seed), loss curves
+    seconds = time.perf_counter() - t_start
+    with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
+        json.dump({"settings": settings, "seeds": list(seeds), "sizes": sizes, "aggregate": agg, "runs": runs}, f,
+                  indent=1)
+    n_held = sizes["n_heldout"]
+    report = "\n".join([
+        "# hf-loops demo: arithmetic (seeded GSM8K-formatted calculator chains)",
+        "",
+        f"{len(seeds)} seeds × {len(runs)} runs, {settings['max_steps']} steps each, the same settings; held-out "
+        f"split of {n_held} problems that no run trained on (the recipe was chosen on the validation split). "
+        f"The runs took {seconds:.0f} s wall, two at a time where two workers ran (training-time ratios are taken "
+        "seed by seed, so they carry the noise of whatever ran beside them).",
+        "",
+        markdown_table(headers, rows),
+        "",
+        "## What came out",
+        "",
+        *verdict(agg),
+        "",
+        "## Where TaH2 puts depth (held-out answers, teacher-forced)",
+        "",
+        markdown_table(ch, crows),
+        "",
+        "Carry digits: computed result digits whose column receives a carry/borrow; result digits: the other "
+        "computed digits; copied digits: operands and repeated results.",
+        "",
+        "![deep share by class](deep_share_by_class.png)",
+        "",
+        "![per-token depth](depth_map.png)",
+        "",
+        "![exact match vs decode FLOPs](em_vs_flops.png)",
+        "",
+        "## Settings",
+        "",
+        "```json",
+        json.dumps(settings, indent=1),
+        "```",
+    ]) + "\n"
+    with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
+        f.write(report)
+    return {"aggregate": agg, "table": (headers, rows), "class_table": (ch, crows), "seconds": seconds}
+
+
+def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: int | None = None,
+                        training: dict | None = None, sizes: dict | None = None, archs=None,
+                        progress: bool = False, max_new_tokens: int = MAX_NEW_TOKENS,
+                        workers: int | None = None) -> dict:
+    """Train and evaluate every arch × seed; write `out/` (report.md, runs.json, em_vs_flops.png,
+    deep_share_by_class.png, depth_map.html/.png and loss_curves.png of the first seed, data/)."""
+    from . import data
+
+    t_start = time.perf_counter()
+    arithmetic_settings(steps, training, progress)  # bad input is refused before anything is written
     out_abs = os.path.abspath(out)
     with output_dir(out, overwrite, "--out") as tmp:
-        paths = A.write_splits(os.path.join(tmp, "data"), seed=DATA_SEED, **{**SIZES, **(sizes or {})})
         base32 = float32_base(data.default_base_dir(), os.path.join(tmp, "base_fp32"))
-        examples = load_examples(paths["heldout"])
-        runs = {a: [] for a in archs}
-        first, label_of = [], dict(ARCHS)  # the first seed's full results, for the depth pictures
-        for seed in seeds:
-            for arch in archs:
-                print(f"[demo arithmetic] seed {seed}: post-training {arch} ({settings['max_steps']} steps)",
-                      flush=True)
-                ckpt = os.path.join(tmp, "runs", f"{arch}_seed{seed}")
-                summ = train_one(base32, arch, paths["train"], ckpt, settings, seed)
-                r = evaluate(ckpt, examples=examples, batch_size=20, max_new_tokens=max_new_tokens,
-                             progress=progress, decider_accuracy=False)
-                if seed == seeds[0]:
-                    first.append({**r, "name": label_of[arch]})
-                runs[arch].append({"seed": seed, "metrics": r["metrics"], "train_runtime": summ["train_runtime"],
-                                   "class_shares": A.class_deep_shares(r["examples"]),
-                                   "samples": [e["generated_text"] for e in r["examples"][:3]]})
-                shutil.rmtree(ckpt)  # 9 checkpoints would be ~120 MB; the numbers are in runs.json
+        jobs, finish = arithmetic_part(tmp, base32, seeds, steps, training, sizes, archs, progress, max_new_tokens)
+        results = run_jobs(jobs, workers)
         shutil.rmtree(base32)
-        shutil.rmtree(os.path.join(tmp, "runs"))
-        agg = aggregate(runs)
-        headers, rows = table(agg)
-        ch, crows = class_table(agg)
-        plot_em_vs_flops(agg, os.path.join(tmp, "em_vs_flops.png"))
-        plot_class_shares(agg, os.path.join(tmp, "deep_share_by_class.png"))
-        write_pictures(first, tmp)  # depth_map.html/.png of TaH2 (first seed), loss curves
-        seconds = time.perf_counter() - t_start
-        with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
-            json.dump({"settings": settings, "seeds": list(seeds), "sizes": {**SIZES, **(sizes or {})},
-                       "aggregate": agg, "runs": runs}, f, indent=1)
-        report = "\n".join([
-            "# hf-loops demo: arithmetic (seeded GSM8K-formatted calculator chains)",
-            "",
-            f"Finished in {seconds:.0f} s. {len(seeds)} seeds × {len(archs)} runs, {settings['max_steps']} steps each, "
-            f"the same settings; held-out split of {len(examples)} problems that no run trained on "
-            "(the recipe was chosen on the validation split).",
-            "",
-            markdown_table(headers, rows),
-            "",
-            "## What came out",
-            "",
-            *verdict(agg),
-            "",
-            "## Where TaH2 puts depth (held-out answers, teacher-forced)",
-            "",
-            markdown_table(ch, crows),
-            "",
-            "Carry digits: computed result digits whose column receives a carry/borrow; result digits: the other "
-            "computed digits; copied digits: operands and repeated results.",
-            "",
-            "![deep share by class](deep_share_by_class.png)",
-            "",
-            "![per-token depth](depth_map.png)",
-            "",
-            "![exact match vs decode FLOPs](em_vs_flops.png)",
-            "",
-            "## Settings",
-            "",
-            "```json",
-            json.dumps(settings, indent=1),
-            "```",
-        ]) + "\n"
-        with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
-            f.write(report)
-    return {"aggregate": agg, "table": (headers, rows), "class_table": (ch, crows), "out": out_abs,
-            "seconds": time.perf_counter() - t_start}
+        res = finish(results)
+    return {**res, "out": out_abs, "seconds": time.perf_counter() - t_start}
 
 
-__all__ = ["ARCHS", "ARITHMETIC_TRAINING", "aggregate", "class_table", "run_arithmetic_demo", "table", "verdict"]
+__all__ = ["ARCHS", "ARITHMETIC_TRAINING", "aggregate", "arithmetic_part", "class_table", "default_workers",
+           "run_arithmetic_demo", "run_jobs", "table", "verdict"]
