@@ -1,13 +1,16 @@
 """`hf-loops demo` (`make demo`): the main job, end to end, offline, on the embedded base.
 
-1. split the vendored 100 GSM8K problems 80 train / 20 held out (the held-out answers were never seen by the base);
-2. post-train the embedded tiny Qwen3 base twice through `TaH2SFTTrainer` with the same settings and steps:
-   Standard (M = 1) and TaH2 (M = 2, lookahead depth supervision);
-3. evaluate both on the held-out 20 with `hf_loops.evaluation.evaluate` (what `hf-loops eval` runs);
-4. print a side-by-side table and write `demo_out/`: report.md, eval.json, depth_map.html/.png, loss_curves.png,
-   depth_by_token_class.png, the two checkpoints and the data split.
+Default (`--task both`), one pool of worker processes (`--workers`, one per core, at most 2) for every run:
+1. the arithmetic task (`hf_loops.demo_tasks`): Standard, TaH2 and TaH2-fixed on seeded GSM8K-formatted calculator
+   chains, `--seeds` seeds each, evaluated on a held-out split → OUT/arithmetic/;
+2. GSM8K: the vendored 100 problems split 80 train / 20 held out (the held-out answers were never seen by the base);
+   the embedded tiny Qwen3 base post-trained through `TaH2SFTTrainer` with the same settings and steps as Standard
+   (M = 1) and TaH2 (M = 2, lookahead depth supervision), `--seeds` seeds each, evaluated with
+   `hf_loops.evaluation.evaluate` (what `hf-loops eval` runs);
+3. the tables (mean ± std over seeds; the first seed of GSM8K in detail) and `OUT/`: report.md, eval.json,
+   depth_map.html/.png, loss_curves.png, depth_by_token_class.png, the first seed's two checkpoints, the data split.
 
-`hf-loops demo --base DIR_OR_HUB_ID --dataset FILE_OR_HUB_ID` runs the same pipeline on any Qwen3(-Base) checkpoint and
+`hf-loops demo --base DIR_OR_HUB_ID --dataset FILE_OR_HUB_ID` runs the GSM8K pipeline on any Qwen3(-Base) checkpoint and
 question/answer dataset (the last `--heldout` rows are held out). `hf-loops demo --random` is the old walk-through: a
 tiny random Qwen3 converted to TaH2, generating a few tokens with their depths (no training).
 """

@@ -51,7 +51,7 @@ def test_run_jobs_refuses_zero_workers_and_starts_the_deeper_runs_first():
     with pytest.raises(ValueError, match="--workers"):
         D.run_jobs([], workers=0)
     jobs = [{"arch": a, "settings": {"max_steps": 5}} for a in ("standard", "tah2", "standard")]
-    assert [D._job_cost(j) for j in jobs] == [800.0, 1840.0, 800.0]
+    assert [D._job_cost(j) for j in jobs] == pytest.approx([800.0, 1840.0, 800.0])
     assert 1 <= D.default_workers() <= 2
 
 
