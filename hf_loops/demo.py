@@ -31,6 +31,7 @@ from .core.numbers import check_float, check_int, or_default
 from .core.outdir import check_output_dir
 from .data.arithmetic import class_deep_shares
 from .demo_tasks import (
+    ARITHMETIC_TRAINING,
     DEMO_TRAINING,
     aggregate,
     arithmetic_part,
@@ -418,7 +419,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", type=int, default=DEMO_HELDOUT, help="rows held out for evaluation (the last ones)")
     p.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--steps", type=int, default=None, help=f"training steps per run (default {DEMO_TRAINING['max_steps']})")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps per run, both tasks (default: arithmetic {ARITHMETIC_TRAINING['max_steps']}, "
+                        f"GSM8K {DEMO_TRAINING['max_steps']})")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"generation length at evaluation (default {DEMO_MAX_NEW_TOKENS}; --random: 16)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="evaluation batch size")
