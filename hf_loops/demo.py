@@ -34,7 +34,9 @@ from .demo_tasks import (
     ARITHMETIC_TRAINING,
     DEMO_TRAINING,
     aggregate,
+    arch_label,
     arithmetic_part,
+    cpu_summary,
     default_workers,
     float32_base,
     run_arithmetic_demo,
@@ -62,7 +64,7 @@ from .evaluation import (
 DEMO_HELDOUT = 20
 # the held-out reference answers are 52-248 tokens long: 192 leaves room for most of them
 DEMO_MAX_NEW_TOKENS = DEFAULT_MAX_NEW_TOKENS
-RUNS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"))
+RUNS = (("standard", arch_label("standard")), ("tah2", arch_label("tah2")))
 DEMO_TASKS = ("both", "arithmetic", "gsm8k")
 PAPER_SCALE = (
     "The paper's gains (+2.9 to +4.8 average accuracy points over Standard at 1.21-2.37x decode FLOPs per token) come "
@@ -170,7 +172,8 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
         "Answer NLL: mean over the held-out reference answers' assistant tokens (teacher-forced). Exact match: greedy "
         f"generation (≤ {t['max_new_tokens']} new tokens), final `#### N` compared with the reference. Mean depth: "
         "passes that produced each reference-answer token (teacher-forced) and each generated token. Decode FLOPs: "
-        "tah2.md §7 accounting over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: against lookahead labels "
+        "the paper's per-token FLOPs formulas (matmul FLOPs of each pass, `hf_loops.core.flops_tah2`, docs/tah2.md) "
+        "over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: against lookahead labels "
         "on the held-out answers.",
         "",
         "## What came out",
@@ -328,10 +331,10 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
             r["model"] = os.path.join(out_abs, key)
         summaries = {key: r["training"] for (key, _), r in zip(RUNS, results, strict=True)}
         seed_runs = {}
-        for job, r in zip(jobs, done, strict=False):
+        for job, r in zip(jobs, done[:len(jobs)], strict=True):
             seed_runs.setdefault(job["arch"], []).append({
                 "seed": job["seed"], "metrics": r["metrics"], "train_runtime": r["training"]["train_runtime"],
-                "class_shares": class_deep_shares(r["examples"])})
+                "class_shares": class_deep_shares(r["examples"]), "cpu_seconds": r.get("cpu_seconds")})
         seed_agg = aggregate(seed_runs)
         seed_table = seed_stats_table(seed_agg)
         seconds = time.perf_counter() - t_start
@@ -345,8 +348,8 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
                 "seeds": seeds, "seed_table": seed_table, "arithmetic": arith}
         write_pictures(results, tmp)
         with open(os.path.join(tmp, "eval.json"), "w", encoding="utf-8") as f:
-            json.dump({"command": command, "results": results, "seeds": list(seeds), "seed_runs": seed_agg}, f,
-                      indent=1)
+            json.dump({"command": command, "results": results, "seeds": list(seeds), "seed_runs": seed_agg,
+                       "cpu_seconds": cpu_summary(seed_runs)}, f, indent=1)
         with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
             f.write(build_report(results, summaries, info))
         headers, table_rows = comparison_rows(results)
@@ -401,7 +404,7 @@ def random_walkthrough(prompt: str, max_new_tokens: int = 16, max_iterations: in
     print(f"tiny random Qwen3 → TaH2 (M={max_iterations}, τ={exit_threshold}); prompt: {prompt!r}")
     print(f"prompt depths: {trace.prompt_depths}")
     print(f"{'step':>4}  {'token':>6}  depth  text")
-    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths, strict=False)):
+    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths, strict=True)):
         print(f"{i:>4}  {t:>6}  {d:>5}  {decode([t])!r}")
     mean = sum(trace.depths) / max(len(trace.depths), 1)
     print(f"mean depth over {len(trace.depths)} generated tokens: {mean:.2f}")

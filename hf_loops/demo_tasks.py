@@ -102,7 +102,19 @@ def train_one(base: str, arch: str, train_file: str, out: str, settings: dict, s
 
 # ---------------------------------------------------------------- the arithmetic task
 
-ARCHS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"), ("tah2-fixed", "TaH2-fixed (M=2)"))
+def arch_label(preset: str, max_iterations: int = 2) -> str:
+    """A demo run's name in tables, from the architecture registry's display name of its TaH2 preset (the preset's
+    fields over TaH2Config's defaults, at the demo's M): "Standard (M=1)", "TaH2 (M=2)", "TaH2-fixed (M=2)"."""
+    from types import SimpleNamespace
+
+    from .conversion.registry import ARCHITECTURES
+    from .modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
+
+    fields = {"max_iterations": max_iterations, "decider": TaH2Config().decider, **TAH2_PRESETS[preset]}
+    return ARCHITECTURES["tah2"].display(SimpleNamespace(**fields))
+
+
+ARCHS = tuple((a, arch_label(a)) for a in ("standard", "tah2", "tah2-fixed"))
 SEEDS = (0, 1, 2)
 SIZES = {"n_train": 2000, "n_validation": 40, "n_heldout": 40}
 DATA_SEED = 0
@@ -149,6 +161,19 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
                 "deep_share": r["class_shares"],
             })
         out[arch] = rows
+    return out
+
+
+def cpu_summary(runs: dict[str, list[dict]]) -> dict:
+    """Process CPU seconds of the runs (`run_job`'s "cpu_seconds"): per arch the mean per run of each phase, and the
+    total of every run and phase."""
+    out = {"per_run_mean": {}, "total": 0.0}
+    for arch, rs in runs.items():
+        cs = [r["cpu_seconds"] for r in rs if r.get("cpu_seconds")]
+        if cs:
+            out["per_run_mean"][arch] = {k: round(statistics.fmean(c[k] for c in cs), 1) for k in cs[0]}
+            out["total"] += sum(sum(c.values()) for c in cs)
+    out["total"] = round(out["total"], 1)
     return out
 
 
@@ -213,7 +238,7 @@ def plot_class_shares(agg: dict, path: str, arch: str = "tah2") -> None:
     classes = [c for c in A.TOKEN_CLASSES if rs and rs[0]["deep_share"][c]["tokens"]]
     vals = [[100 * r["deep_share"][c]["deep_share"] for r in rs] for c in classes]
     means = [statistics.fmean(v) for v in vals]
-    err = [[m - min(v) for m, v in zip(means, vals, strict=False)], [max(v) - m for m, v in zip(means, vals, strict=False)]]
+    err = [[m - min(v) for m, v in zip(means, vals, strict=True)], [max(v) - m for m, v in zip(means, vals, strict=True)]]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=110)
     ax.bar(classes, means, yerr=err, color="#c44e12", alpha=0.85, capsize=3)
     ax.set_ylabel("deep tokens (%)")
@@ -232,7 +257,7 @@ def verdict(agg: dict) -> list[str]:
         return statistics.fmean(r[key] for r in agg[arch])
 
     em = {a: [r["exact_match"] for r in agg[a]] for a in agg}
-    wins = sum(t > s for t, s in zip(em["tah2"], em["standard"], strict=False))
+    wins = sum(t > s for t, s in zip(em["tah2"], em["standard"], strict=True))
     lines = [f"- **Exact match, TaH2 vs Standard:** {_pm(em['tah2'], '.1f', 100.0)} % vs "
              f"{_pm(em['standard'], '.1f', 100.0)} % (mean ± std over {len(em['tah2'])} seeds); TaH2 ahead in "
              f"{wins} of {len(em['tah2'])} seeds, at {mean('tah2', 'flops_ratio'):.2f}× Standard's decode FLOPs."]
@@ -262,18 +287,31 @@ def _job_cost(job: dict) -> float:
     return job["settings"]["max_steps"] * job["settings"].get("max_length", 160) * depth
 
 
+_WORKER_STARTED = False  # whether this process has run a job yet (its first carries the start-up CPU time)
+
+
 def run_job(job: dict) -> dict:
     """One run, in a worker: post-train, evaluate on the held-out file, remove the checkpoint unless `keep`.
-    Returns `evaluate`'s result with the training summary under "training"."""
+    Returns `evaluate`'s result with the training summary under "training" and the process CPU seconds per phase
+    under "cpu_seconds" (startup, train, evaluate)."""
     from .evaluation import set_threads
 
+    global _WORKER_STARTED
     set_threads(job.get("threads", 1))
     t0 = time.perf_counter()
+    # Process CPU time per phase (load-independent, unlike wall time on a shared machine); the first job of a
+    # process also carries the process's start-up (the imports of torch, transformers and TRL).
+    c0 = time.process_time()
+    cpu = {"startup": 0.0 if _WORKER_STARTED else c0}
+    _WORKER_STARTED = True
     train_one(job["base"], job["arch"], job["train_file"], job["ckpt"], job["settings"], job["seed"],
               job.get("max_iterations"))
+    c1 = time.process_time()
     r = evaluate(job["ckpt"], examples=load_examples(job["heldout"]), batch_size=job["batch_size"],
                  max_new_tokens=job["max_new_tokens"], progress=False,
                  decider_accuracy=job.get("decider_accuracy", False), name=job.get("name"))
+    cpu.update(train=c1 - c0, evaluate=time.process_time() - c1)
+    r["cpu_seconds"] = cpu
     if not job.get("keep"):
         shutil.rmtree(job["ckpt"])
     print(f"[demo] {job['task']} seed {job['seed']}: {job['arch']} done ({time.perf_counter() - t0:.0f} s)",
@@ -360,7 +398,7 @@ def _arithmetic_outputs(tmp, jobs, results, settings, seeds, sizes, t_start) -> 
         runs.setdefault(job["arch"], []).append({
             "seed": job["seed"], "metrics": r["metrics"], "train_runtime": r["training"]["train_runtime"],
             "class_shares": A.class_deep_shares(r["examples"]),
-            "samples": [e["generated_text"] for e in r["examples"][:3]]})
+            "samples": [e["generated_text"] for e in r["examples"][:3]], "cpu_seconds": r.get("cpu_seconds")})
     agg = aggregate(runs)
     headers, rows = table(agg)
     ch, crows = class_table(agg)
@@ -369,8 +407,8 @@ def _arithmetic_outputs(tmp, jobs, results, settings, seeds, sizes, t_start) -> 
     write_pictures(first, tmp)  # depth_map.html/.png of TaH2 (first seed), loss curves
     seconds = time.perf_counter() - t_start
     with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
-        json.dump({"settings": settings, "seeds": list(seeds), "sizes": sizes, "aggregate": agg, "runs": runs}, f,
-                  indent=1)
+        json.dump({"settings": settings, "seeds": list(seeds), "sizes": sizes, "aggregate": agg,
+                   "cpu_seconds": cpu_summary(runs), "runs": runs}, f, indent=1)
     n_held = sizes["n_heldout"]
     report = "\n".join([
         "# hf-loops demo: arithmetic (seeded GSM8K-formatted calculator chains)",
@@ -407,7 +445,8 @@ def _arithmetic_outputs(tmp, jobs, results, settings, seeds, sizes, t_start) -> 
     ]) + "\n"
     with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
         f.write(report)
-    return {"aggregate": agg, "table": (headers, rows), "class_table": (ch, crows), "seconds": seconds}
+    return {"aggregate": agg, "table": (headers, rows), "class_table": (ch, crows), "seconds": seconds,
+            "cpu_seconds": cpu_summary(runs)}
 
 
 def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: int | None = None,
@@ -430,5 +469,5 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
     return {**res, "out": out_abs, "seconds": time.perf_counter() - t_start}
 
 
-__all__ = ["ARCHS", "ARITHMETIC_TRAINING", "aggregate", "arithmetic_part", "class_table", "default_workers",
+__all__ = ["ARCHS", "ARITHMETIC_TRAINING", "aggregate", "arch_label", "cpu_summary", "arithmetic_part", "class_table", "default_workers",
            "run_arithmetic_demo", "run_jobs", "table", "verdict"]
