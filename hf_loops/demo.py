@@ -150,7 +150,8 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
         "# hf-loops demo: Standard vs TaH2" + (" on the arithmetic task and on held-out GSM8K" if arith else
                                                " on held-out GSM8K"),
         "",
-        f"Command: `{info['command']}` — finished in **{info['seconds']:.0f} s** on {info['machine']}.",
+        f"Command: `{info['command']}` — finished in **{info['seconds']:.0f} s** on {info['machine']}."
+        + _cpu_line(info),
         "",
         *(_arithmetic_section(arith) if arith else []),
         "## GSM8K" if arith else "",
@@ -225,6 +226,13 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
         "```",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_line(info: dict) -> str:
+    """The runs' process CPU seconds (every worker, load-independent), per task."""
+    parts = [f"{name} {cpu['total']:.0f} s" for name, cpu in (
+        ("arithmetic", (info.get("arithmetic") or {}).get("cpu_seconds")), ("GSM8K", info.get("cpu_seconds"))) if cpu]
+    return f" Process CPU time of the runs: {', '.join(parts)}." if parts else ""
 
 
 def _arithmetic_section(arith: dict) -> list[str]:
@@ -345,7 +353,7 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
                 "train_rows": len(train_rows), "heldout_rows": len(held_rows), "eval_command": eval_command,
                 "machine": f"{os.cpu_count()} CPU cores visible, {min(workers, len(jobs) + len(extra))} worker "
                            f"process(es) at torch threads 1, {platform.machine()}",
-                "seeds": seeds, "seed_table": seed_table, "arithmetic": arith}
+                "seeds": seeds, "seed_table": seed_table, "arithmetic": arith, "cpu_seconds": cpu_summary(seed_runs)}
         write_pictures(results, tmp)
         with open(os.path.join(tmp, "eval.json"), "w", encoding="utf-8") as f:
             json.dump({"command": command, "results": results, "seeds": list(seeds), "seed_runs": seed_agg,

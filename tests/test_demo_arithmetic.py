@@ -87,3 +87,24 @@ def test_run_arithmetic_demo_end_to_end_tiny(tmp_path):
     assert len(res["table"][1]) == 3
     # every run read only its steps × batch problems (the split on disk keeps all 8)
     assert len(open(tmp_path / "out" / "data" / "train.jsonl").readlines()) == 8
+
+
+def test_cpu_summary_means_per_arch_and_totals_every_phase():
+    runs = {"standard": [{"cpu_seconds": {"startup": 8.0, "train": 20.0, "evaluate": 2.0}},
+                         {"cpu_seconds": {"startup": 0.0, "train": 22.0, "evaluate": 4.0}}],
+            "tah2": [{"cpu_seconds": {"startup": 0.0, "train": 40.0, "evaluate": 6.0}}, {"cpu_seconds": None}]}
+    s = D.cpu_summary(runs)
+    assert s["per_run_mean"]["standard"] == {"startup": 4.0, "train": 21.0, "evaluate": 3.0}
+    assert s["per_run_mean"]["tah2"] == {"startup": 0.0, "train": 40.0, "evaluate": 6.0}
+    assert s["total"] == 102.0  # 30 + 26 + 46; a run without timings adds nothing
+
+
+def test_run_names_come_from_the_architecture_registry():
+    from hf_loops.conversion.registry import display_name
+    from hf_loops.modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
+
+    assert dict(D.ARCHS) == {"standard": "Standard (M=1)", "tah2": "TaH2 (M=2)", "tah2-fixed": "TaH2-fixed (M=2)"}
+    for preset in ("standard", "tah2", "tah2-fixed"):  # the same name a trained checkpoint's config gets
+        cfg = TaH2Config(**{"max_iterations": 2, **TAH2_PRESETS[preset]})
+        assert D.arch_label(preset) == display_name(cfg)
+    assert D.arch_label("tah2", 3) == "TaH2 (M=3)"

@@ -73,6 +73,11 @@ def test_demo_trains_every_seed_and_reports_mean_and_spread(demo):
     report = (demo["out"] / "report.md").read_text()
     assert "Mean ± std over 2 seed(s) (0, 1)" in report and "| " + " | ".join(rows[1]) + " |" in report
     assert not (demo["out"] / "runs").exists()
+    # process CPU seconds per run and phase (every run trains and evaluates), and their total in the report
+    cpu = saved["cpu_seconds"]
+    assert set(cpu["per_run_mean"]) == {"standard", "tah2"} and cpu["total"] > 0
+    assert all(v["train"] > 0 and v["evaluate"] > 0 for v in cpu["per_run_mean"].values())
+    assert f"GSM8K {cpu['total']:.0f} s" in report
 
 
 def test_pictures_are_not_blank_and_colour_every_token(demo):
