@@ -174,8 +174,8 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
         f"generation (≤ {t['max_new_tokens']} new tokens), final `#### N` compared with the reference. Mean depth: "
         "passes that produced each reference-answer token (teacher-forced) and each generated token. Decode FLOPs: "
         "the paper's per-token FLOPs formulas (matmul FLOPs of each pass, `hf_loops.core.flops_tah2`, docs/tah2.md) "
-        "over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: against lookahead labels "
-        "on the held-out answers.",
+        "over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: "
+        "against lookahead labels on the held-out answers.",
         "",
         "## What came out",
         "",
@@ -430,7 +430,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", type=int, default=DEMO_HELDOUT, help="rows held out for evaluation (the last ones)")
     p.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--steps", type=int, default=None, help=f"training steps per run, both tasks (default: arithmetic {ARITHMETIC_TRAINING['max_steps']}, "
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps per run, both tasks (default: arithmetic {ARITHMETIC_TRAINING['max_steps']}, "
                         f"GSM8K {DEMO_TRAINING['max_steps']})")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"generation length at evaluation (default {DEMO_MAX_NEW_TOKENS}; --random: 16)")

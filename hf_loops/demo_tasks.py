@@ -242,7 +242,8 @@ def plot_class_shares(agg: dict, path: str, arch: str = "tah2") -> None:
     classes = [c for c in A.TOKEN_CLASSES if rs and rs[0]["deep_share"][c]["tokens"]]
     vals = [[100 * r["deep_share"][c]["deep_share"] for r in rs] for c in classes]
     means = [statistics.fmean(v) for v in vals]
-    err = [[m - min(v) for m, v in zip(means, vals, strict=True)], [max(v) - m for m, v in zip(means, vals, strict=True)]]
+    err = [[m - min(v) for m, v in zip(means, vals, strict=True)],
+           [max(v) - m for m, v in zip(means, vals, strict=True)]]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=110)
     ax.bar(classes, means, yerr=err, color="#c44e12", alpha=0.85, capsize=3)
     ax.set_ylabel("deep tokens (%)")
@@ -304,7 +305,8 @@ def run_job(job: dict) -> dict:
     set_threads(job.get("threads", 1))
     t0 = time.perf_counter()
     # Process CPU time per phase (load-independent, unlike wall time on a shared machine); the first job of a
-    # process also carries the process's start-up (the imports of torch, transformers and TRL).
+    # process also carries the process's start-up (what it imported before this job; an import made later, such as
+    # TRL's on the first training, falls into that phase).
     c0 = time.process_time()
     cpu = {"startup": 0.0 if _WORKER_STARTED else c0}
     _WORKER_STARTED = True
@@ -474,5 +476,6 @@ def run_arithmetic_demo(out: str, overwrite: bool = False, seeds=SEEDS, steps: i
     return {**res, "out": out_abs, "seconds": time.perf_counter() - t_start}
 
 
-__all__ = ["ARCHS", "ARITHMETIC_TRAINING", "aggregate", "arch_label", "cpu_summary", "arithmetic_part", "class_table", "default_workers",
+__all__ = ["ARCHS", "ARITHMETIC_TRAINING", "aggregate", "arch_label", "arithmetic_part", "class_table", "cpu_summary",
+           "default_workers",
            "run_arithmetic_demo", "run_jobs", "table", "verdict"]
