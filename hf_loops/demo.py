@@ -1,13 +1,16 @@
 """`hf-loops demo` (`make demo`): the main job, end to end, offline, on the embedded base.
 
-1. split the vendored 100 GSM8K problems 80 train / 20 held out (the held-out answers were never seen by the base);
-2. post-train the embedded tiny Qwen3 base twice through `TaH2SFTTrainer` with the same settings and steps:
-   Standard (M = 1) and TaH2 (M = 2, lookahead depth supervision);
-3. evaluate both on the held-out 20 with `hf_loops.evaluation.evaluate` (what `hf-loops eval` runs);
-4. print a side-by-side table and write `demo_out/`: report.md, eval.json, depth_map.html/.png, loss_curves.png,
-   depth_by_token_class.png, the two checkpoints and the data split.
+Default (`--task both`), one pool of worker processes (`--workers`, one per core, at most 2) for every run:
+1. the arithmetic task (`hf_loops.demo_tasks`): Standard, TaH2 and TaH2-fixed on seeded GSM8K-formatted calculator
+   chains, `--seeds` seeds each, evaluated on a held-out split → OUT/arithmetic/;
+2. GSM8K: the vendored 100 problems split 80 train / 20 held out (the held-out answers were never seen by the base);
+   the embedded tiny Qwen3 base post-trained through `TaH2SFTTrainer` with the same settings and steps as Standard
+   (M = 1) and TaH2 (M = 2, lookahead depth supervision), `--seeds` seeds each, evaluated with
+   `hf_loops.evaluation.evaluate` (what `hf-loops eval` runs);
+3. the tables (mean ± std over seeds; the first seed of GSM8K in detail) and `OUT/`: report.md, eval.json,
+   depth_map.html/.png, loss_curves.png, depth_by_token_class.png, the first seed's two checkpoints, the data split.
 
-`hf-loops demo --base DIR_OR_HUB_ID --dataset FILE_OR_HUB_ID` runs the same pipeline on any Qwen3(-Base) checkpoint and
+`hf-loops demo --base DIR_OR_HUB_ID --dataset FILE_OR_HUB_ID` runs the GSM8K pipeline on any Qwen3(-Base) checkpoint and
 question/answer dataset (the last `--heldout` rows are held out). `hf-loops demo --random` is the old walk-through: a
 tiny random Qwen3 converted to TaH2, generating a few tokens with their depths (no training).
 """
@@ -26,7 +29,23 @@ import time
 from .core.errors import run_command
 from .core.numbers import check_float, check_int, or_default
 from .core.outdir import check_output_dir
-from .demo_tasks import DEMO_TRAINING, float32_base, run_arithmetic_demo, train_one
+from .data.arithmetic import class_deep_shares
+from .demo_tasks import (
+    ARITHMETIC_TRAINING,
+    DEMO_TRAINING,
+    aggregate,
+    arch_label,
+    arithmetic_part,
+    cpu_summary,
+    default_workers,
+    float32_base,
+    run_arithmetic_demo,
+    run_jobs,
+    train_one,  # noqa: F401  (examples/ import it from here)
+)
+from .demo_tasks import (
+    table as seed_stats_table,
+)
 from .evaluation import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
@@ -34,7 +53,6 @@ from .evaluation import (
     console_table,
     depth_rows,
     details_markdown,
-    evaluate,
     load_examples,
     markdown_table,
     output_dir,
@@ -44,7 +62,9 @@ from .evaluation import (
 )
 
 DEMO_HELDOUT = 20
-RUNS = (("standard", "Standard (M=1)"), ("tah2", "TaH2 (M=2)"))
+# the held-out reference answers are 52-248 tokens long: 192 leaves room for most of them
+DEMO_MAX_NEW_TOKENS = DEFAULT_MAX_NEW_TOKENS
+RUNS = (("standard", arch_label("standard")), ("tah2", arch_label("tah2")))
 DEMO_TASKS = ("both", "arithmetic", "gsm8k")
 PAPER_SCALE = (
     "The paper's gains (+2.9 to +4.8 average accuracy points over Standard at 1.21-2.37x decode FLOPs per token) come "
@@ -99,7 +119,7 @@ def _verdict(std: dict, tah: dict) -> list[str]:
     d_nll = t["answer_nll"] - s["answer_nll"]
     if d_nll < 0:
         lines.append(f"- **Answer NLL:** TaH2 is lower by {-d_nll:.3f} nats/token ({t['answer_nll']:.3f} vs "
-                     f"{s['answer_nll']:.3f}) — one seed and {t['examples']} problems, so no significance is claimed.")
+                     f"{s['answer_nll']:.3f}) — the first seed, {t['examples']} problems, so no significance is claimed.")
     else:
         lines.append(f"- **Answer NLL:** TaH2 does **not** beat Standard: {t['answer_nll']:.3f} vs "
                      f"{s['answer_nll']:.3f} nats/token (+{d_nll:.3f}).")
@@ -124,10 +144,24 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
     train_acc = summaries["tah2"].get("decider_acc")
     held_acc = (t.get("decider_accuracy") or {}).get("1")
     cont = (t.get("continue_rate") or {}).get("1")
+    seeds = info.get("seeds") or (summaries["standard"]["settings"]["seed"],)
+    arith = info.get("arithmetic")
     lines = [
-        "# hf-loops demo: Standard vs TaH2 on held-out GSM8K",
+        "# hf-loops demo: Standard vs TaH2" + (" on the arithmetic task and on held-out GSM8K" if arith else
+                                               " on held-out GSM8K"),
         "",
-        f"Command: `{info['command']}` — finished in **{info['seconds']:.0f} s** on {info['machine']}.",
+        f"Command: `{info['command']}` — finished in **{info['seconds']:.0f} s** on {info['machine']}."
+        + _cpu_line(info),
+        "",
+        *(_arithmetic_section(arith) if arith else []),
+        "## GSM8K" if arith else "",
+        "",
+        f"Mean ± std over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {info['heldout_rows']} held-out "
+        "problems:",
+        "",
+        markdown_table(*info["seed_table"]) if info.get("seed_table") else "",
+        "",
+        f"The first seed ({seeds[0]}) in detail (its checkpoints are `standard/` and `tah2/`):",
         "",
         f"Base: `{info['base']}`. Data: `{info['dataset']}`, {info['train_rows']} problems for post-training, "
         f"{info['heldout_rows']} held out (`data/heldout.jsonl`). Both runs: the same "
@@ -139,8 +173,9 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
         "Answer NLL: mean over the held-out reference answers' assistant tokens (teacher-forced). Exact match: greedy "
         f"generation (≤ {t['max_new_tokens']} new tokens), final `#### N` compared with the reference. Mean depth: "
         "passes that produced each reference-answer token (teacher-forced) and each generated token. Decode FLOPs: "
-        "tah2.md §7 accounting over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: against lookahead labels "
-        "on the held-out answers.",
+        "the paper's per-token FLOPs formulas (matmul FLOPs of each pass, `hf_loops.core.flops_tah2`, docs/tah2.md) "
+        "over the generated tokens' measured depths. Training time: `train_runtime` of each run. Decider accuracy: "
+        "against lookahead labels on the held-out answers.",
         "",
         "## What came out",
         "",
@@ -193,6 +228,39 @@ def build_report(results: list[dict], summaries: dict, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cpu_line(info: dict) -> str:
+    """The runs' process CPU seconds (every worker, load-independent), per task."""
+    parts = [f"{name} {cpu['total']:.0f} s" for name, cpu in (
+        ("arithmetic", (info.get("arithmetic") or {}).get("cpu_seconds")), ("GSM8K", info.get("cpu_seconds"))) if cpu]
+    return f" Process CPU time of the runs: {', '.join(parts)}." if parts else ""
+
+
+def _arithmetic_section(arith: dict) -> list[str]:
+    """The arithmetic task's table, verdict and depth shares at the top of the combined report."""
+    from .demo_tasks import verdict
+
+    return [
+        "## The arithmetic task (`arithmetic/report.md`)",
+        "",
+        "The claim tested (the paper's): a learned decider that gives extra depth only to the tokens that need it "
+        "matches or beats Standard at a fraction of fixed depth's extra cost.",
+        "",
+        markdown_table(*arith["table"]),
+        "",
+        *verdict(arith["aggregate"]),
+        "",
+        "TaH2's share of deep tokens per class (held-out answers, teacher-forced):",
+        "",
+        markdown_table(*arith["class_table"]),
+        "",
+        "![deep share by class](arithmetic/deep_share_by_class.png) ![exact match vs decode FLOPs]"
+        "(arithmetic/em_vs_flops.png)",
+        "",
+        "![per-token depth, arithmetic](arithmetic/depth_map.png)",
+        "",
+    ]
+
+
 def _compare(ds: dict) -> str:
     a, b = ds.get("digits/operators"), ds.get("words")
     if a is None or b is None or a == b:
@@ -210,14 +278,22 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
              split: str | None = None, heldout: int = DEMO_HELDOUT, steps: int | None = None,
              max_iterations: int = 2, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0, training: dict | None = None,
-             progress: bool = True, command: str = "hf-loops demo") -> dict:
-    """The whole pipeline; returns {"results", "summaries", "table", "out", "seconds"}."""
+             progress: bool = True, command: str = "hf-loops demo", seeds=None, workers: int | None = None,
+             arithmetic: dict | None = None) -> dict:
+    """The whole pipeline; returns {"results", "summaries", "table", "seed_table", "out", "seconds"}.
+
+    `seeds` (default: `seed` alone): Standard and TaH2 are trained once per seed; the first seed's checkpoints,
+    eval.json and pictures are kept, the seed table gives mean ± std over all of them. `arithmetic`: keyword
+    arguments of `demo_tasks.arithmetic_part`; its runs share this run's workers and write `out/arithmetic/`."""
     t_start = time.perf_counter()
     check_output_dir(out, "--out", overwrite=overwrite, hint=" (pass --overwrite to replace it)")
     # every number is checked before the first training starts (not after both, inside evaluate)
     check_int("--max-new-tokens", max_new_tokens, 1)
     check_int("--batch-size", batch_size, 1)
     check_int("--heldout", heldout, 1)
+    seeds = (seed,) if seeds is None else tuple(seeds)
+    if not seeds:
+        raise ValueError("--seeds must be >= 1")
     default_base, default_data, default_heldout = _default_data()
     heldout_rows = default_heldout if dataset is None else None
     base = base or default_base
@@ -234,6 +310,7 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
         settings["max_steps"] = check_int("--steps", steps, 1)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 2:
         raise ValueError(f"--max-iterations must be an integer >= 2 for the TaH2 run, got {max_iterations!r}")
+    workers = default_workers() if workers is None else check_int("--workers", workers, 1)
 
     rows = _dataset_rows(dataset, split)
     train_rows, held_rows = split_rows(rows, heldout, heldout_rows)
@@ -245,38 +322,58 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
         _write_jsonl(train_file, train_rows)
         _write_jsonl(held_file, held_rows)
         base32 = float32_base(base, os.path.join(tmp, "base_fp32"))
-        summaries = {}
-        for key, label in RUNS:
-            print(f"[demo] post-training {label}: {settings['max_steps']} steps on {len(train_rows)} problems",
-                  flush=True)
-            summaries[key] = train_one(base32, key, train_file, os.path.join(tmp, key), settings, seed,
-                                       max_iterations if key == "tah2" else None)
+        jobs = [_gsm8k_job(tmp, base32, key, s, s == seeds[0], settings, train_file, held_file, batch_size,
+                           max_new_tokens, max_iterations) for s in seeds for key, _ in RUNS]
+        extra, finish = arithmetic_part(os.path.join(tmp, "arithmetic"), base32, **arithmetic) if arithmetic \
+            else ([], None)
+        print(f"[demo] {len(jobs) + len(extra)} runs ({settings['max_steps']} GSM8K steps on {len(train_rows)} "
+              f"problems{', and the arithmetic task' if extra else ''}) on {min(workers, len(jobs) + len(extra))} "
+              "worker(s)", flush=True)
+        done = run_jobs(jobs + extra, workers)
+        arith = finish(done[len(jobs):]) if finish else None
         shutil.rmtree(base32)
-        examples = load_examples(held_file)
-        results = []
-        for key, label in RUNS:
-            print(f"[demo] evaluating {label} on {len(examples)} held-out problems", flush=True)
-            r = evaluate(os.path.join(tmp, key), examples=examples, dataset=os.path.join(out_abs, "data",
-                                                                                            "heldout.jsonl"),
-                         batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress)
+        if os.path.isdir(os.path.join(tmp, "runs")):
+            shutil.rmtree(os.path.join(tmp, "runs"))
+        results = done[:len(RUNS)]  # the first seed: its checkpoints stay in OUT/standard, OUT/tah2
+        for (key, _), r in zip(RUNS, results, strict=True):
             r["model"] = os.path.join(out_abs, key)
-            results.append(r)
+        summaries = {key: r["training"] for (key, _), r in zip(RUNS, results, strict=True)}
+        seed_runs = {}
+        for job, r in zip(jobs, done[:len(jobs)], strict=True):
+            seed_runs.setdefault(job["arch"], []).append({
+                "seed": job["seed"], "metrics": r["metrics"], "train_runtime": r["training"]["train_runtime"],
+                "class_shares": class_deep_shares(r["examples"]), "cpu_seconds": r.get("cpu_seconds")})
+        seed_agg = aggregate(seed_runs)
+        seed_table = seed_stats_table(seed_agg)
         seconds = time.perf_counter() - t_start
         rel = os.path.relpath(out_abs)
         eval_command = (f"hf-loops eval {rel}/tah2 --baseline {rel}/standard --dataset {rel}/data/heldout.jsonl "
                         f"--max-new-tokens {max_new_tokens} --batch-size {batch_size} --out {rel}_eval")
         info = {"command": command, "seconds": seconds, "base": base, "dataset": dataset,
                 "train_rows": len(train_rows), "heldout_rows": len(held_rows), "eval_command": eval_command,
-                "machine": f"{os.cpu_count()} CPU cores visible, torch threads {_threads()}, {platform.machine()}"}
+                "machine": f"{os.cpu_count()} CPU cores visible, {min(workers, len(jobs) + len(extra))} worker "
+                           f"process(es) at torch threads 1, {platform.machine()}",
+                "seeds": seeds, "seed_table": seed_table, "arithmetic": arith, "cpu_seconds": cpu_summary(seed_runs)}
         write_pictures(results, tmp)
         with open(os.path.join(tmp, "eval.json"), "w", encoding="utf-8") as f:
-            json.dump({"command": command, "results": results}, f, indent=1)
+            json.dump({"command": command, "results": results, "seeds": list(seeds), "seed_runs": seed_agg,
+                       "cpu_seconds": cpu_summary(seed_runs)}, f, indent=1)
         with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
             f.write(build_report(results, summaries, info))
         headers, table_rows = comparison_rows(results)
         table = console_table(headers, table_rows)
-    return {"results": results, "summaries": summaries, "table": table, "out": out_abs,
-            "seconds": time.perf_counter() - t_start, "eval_command": eval_command}
+    return {"results": results, "summaries": summaries, "table": table, "seed_table": seed_table, "out": out_abs,
+            "seconds": time.perf_counter() - t_start, "eval_command": eval_command, "arithmetic": arith}
+
+
+def _gsm8k_job(tmp, base32, key, seed, first, settings, train_file, held_file, batch_size, max_new_tokens,
+               max_iterations) -> dict:
+    """One GSM8K run for `run_jobs`; the first seed's checkpoint is kept (OUT/standard, OUT/tah2)."""
+    return {"task": "gsm8k", "base": base32, "arch": key, "seed": seed, "settings": settings,
+            "train_file": train_file, "heldout": held_file, "batch_size": batch_size,
+            "max_new_tokens": max_new_tokens, "max_iterations": max_iterations if key == "tah2" else None,
+            "ckpt": os.path.join(tmp, key) if first else os.path.join(tmp, "runs", f"{key}_seed{seed}"),
+            "keep": first, "decider_accuracy": first}
 
 
 def _threads() -> int:
@@ -315,7 +412,7 @@ def random_walkthrough(prompt: str, max_new_tokens: int = 16, max_iterations: in
     print(f"tiny random Qwen3 → TaH2 (M={max_iterations}, τ={exit_threshold}); prompt: {prompt!r}")
     print(f"prompt depths: {trace.prompt_depths}")
     print(f"{'step':>4}  {'token':>6}  depth  text")
-    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths, strict=False)):
+    for i, (t, d) in enumerate(zip(trace.tokens, trace.depths, strict=True)):
         print(f"{i:>4}  {t:>6}  {d:>5}  {decode([t])!r}")
     mean = sum(trace.depths) / max(len(trace.depths), 1)
     print(f"mean depth over {len(trace.depths)} generated tokens: {mean:.2f}")
@@ -333,18 +430,21 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", type=int, default=DEMO_HELDOUT, help="rows held out for evaluation (the last ones)")
     p.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--steps", type=int, default=None, help=f"training steps per run (default {DEMO_TRAINING['max_steps']})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps per run, both tasks (default: arithmetic {ARITHMETIC_TRAINING['max_steps']}, "
+                        f"GSM8K {DEMO_TRAINING['max_steps']})")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"generation length at evaluation (default {DEFAULT_MAX_NEW_TOKENS}; --random: 16)")
+                   help=f"generation length at evaluation (default {DEMO_MAX_NEW_TOKENS}; --random: 16)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="evaluation batch size")
     p.add_argument("--max-iterations", type=int, default=None, help="M of the TaH2 run (default 2; --random: 3)")
-    p.add_argument("--seed", type=int, default=0)
-    # gsm8k is the default: the arithmetic task over 3 seeds takes ~7 minutes on 2 cores, past make demo's budget
-    p.add_argument("--task", choices=DEMO_TASKS, default="gsm8k",
-                   help="gsm8k (default): the GSM8K run; arithmetic: the seeded arithmetic task (Standard, TaH2, "
-                        "TaH2-fixed over --seeds seeds, ~7 min); both: the GSM8K run, then the arithmetic task in "
-                        "OUT/arithmetic. --base/--dataset: gsm8k only")
-    p.add_argument("--seeds", type=int, default=3, help="seeds of the arithmetic task (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="the first seed (the runs use --seeds seeds from it)")
+    p.add_argument("--task", choices=DEMO_TASKS, default="both",
+                   help="both (default, what make demo runs): the arithmetic task (Standard, TaH2, TaH2-fixed) and "
+                        "the GSM8K run (Standard, TaH2), one pool of workers, the arithmetic part in OUT/arithmetic; "
+                        "arithmetic / gsm8k: one of them. --base/--dataset: gsm8k only")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per run (default 3)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="runs side by side, one process each (default: one per CPU core, at most 2)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: at this model size more threads cost more than they save)")
     p.add_argument("--no-progress", action="store_true")
@@ -365,53 +465,52 @@ def cmd_demo(args, argv: list[str] | None = None) -> int:
                            args.tokenizer, args.seed)
         return 0
     set_threads(args.threads)
+    check_int("--seeds", args.seeds, 1)
+    if args.workers is not None:
+        check_int("--workers", args.workers, 1)
+    seeds = tuple(range(args.seed, args.seed + args.seeds))
     task = getattr(args, "task", "gsm8k")
     if task != "gsm8k" and (args.base or args.dataset):
         if task == "arithmetic":
             raise ValueError("--task arithmetic runs on the embedded base and its own data: drop --base/--dataset")
         task = "gsm8k"  # a custom base or dataset: the question/answer pipeline only
     if task == "arithmetic":
-        return _arithmetic_demo(args, args.out)
-    rc = _gsm8k_demo(args, argv)
-    if task == "both":
-        _arithmetic_demo(args, os.path.join(args.out, "arithmetic"))
-    return rc
-
-
-def _arithmetic_demo(args, out: str) -> int:
-    """The arithmetic task's table (`hf_loops.demo_tasks`), printed with its class shares."""
-    from .evaluation import console_table as _table
-
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    res = run_arithmetic_demo(out, overwrite=args.overwrite, seeds=tuple(range(args.seeds)), steps=args.steps,
-                              progress=not args.no_progress)
-    print("\narithmetic task, held out (mean ± std over seeds):")
-    print(_table(*res["table"]))
-    print("\nTaH2's deep tokens per class:")
-    print(_table(*res["class_table"]))
-    print(f"\nwrote {res['out']} (report.md, runs.json, em_vs_flops.png, deep_share_by_class.png, depth_map.png) "
-          f"in {res['seconds']:.0f} s")
-    return 0
-
-
-def _gsm8k_demo(args, argv: list[str] | None) -> int:
+        res = run_arithmetic_demo(args.out, overwrite=args.overwrite, seeds=seeds, steps=args.steps,
+                                  progress=not args.no_progress, workers=args.workers)
+        _print_arithmetic(res)
+        print(f"\nwrote {res['out']} (report.md, runs.json, em_vs_flops.png, deep_share_by_class.png, "
+              f"depth_map.png) in {res['seconds']:.0f} s")
+        return 0
+    arithmetic = ({"seeds": seeds, "steps": args.steps, "progress": not args.no_progress} if task == "both"
+                  else None)
     command = "hf-loops demo" + ("" if not argv else " " + shlex.join(argv))
     result = run_demo(base=args.base, dataset=args.dataset, out=args.out, overwrite=args.overwrite, split=args.split,
                       heldout=args.heldout, steps=args.steps, max_iterations=or_default(args.max_iterations, 2),
-                      max_new_tokens=or_default(args.max_new_tokens, DEFAULT_MAX_NEW_TOKENS), batch_size=args.batch_size,
-                      seed=args.seed, progress=not args.no_progress, command=command)
+                      max_new_tokens=or_default(args.max_new_tokens, DEMO_MAX_NEW_TOKENS), batch_size=args.batch_size,
+                      seed=args.seed, progress=not args.no_progress, command=command, seeds=seeds,
+                      workers=args.workers, arithmetic=arithmetic)
+    if result["arithmetic"]:
+        _print_arithmetic(result["arithmetic"])
     tah = result["results"][1]
     if tah["metrics"].get("mean_depth") is not None and sys.stdout.isatty():
         from .analysis.depth_map import render_ansi
 
         print(render_ansi(depth_rows(tah, limit=1), tah["metrics"]["max_iterations"]))
-    print()
+    print(f"\nGSM8K, held out (mean ± std over {len(seeds)} seed(s)):")
+    print(console_table(*result["seed_table"]))
+    print(f"\nGSM8K, seed {seeds[0]} (checkpoints in OUT/standard, OUT/tah2):")
     print(result["table"])
     print(f"\nwrote {result['out']} (report.md, depth_map.html, depth_map.png, loss_curves.png, "
-          f"depth_by_token_class.png) in {result['seconds']:.0f} s")
-    print(f"reproduce the table: {result['eval_command']}")
+          f"depth_by_token_class.png{', arithmetic/' if result['arithmetic'] else ''}) in {result['seconds']:.0f} s")
+    print(f"reproduce the seed-{seeds[0]} table: {result['eval_command']}")
     return 0
+
+
+def _print_arithmetic(res: dict) -> None:
+    print("\narithmetic task, held out (mean ± std over seeds):")
+    print(console_table(*res["table"]))
+    print("\nTaH2's deep tokens per class (teacher-forced held-out answers):")
+    print(console_table(*res["class_table"]))
 
 
 def main(argv: list[str] | None = None) -> int:

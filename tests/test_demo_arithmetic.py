@@ -47,6 +47,14 @@ def test_verdict_says_not_held_unless_ahead_in_every_seed():
     assert "held on this task, in every seed" in "\n".join(D.verdict(D.aggregate(runs)))
 
 
+def test_run_jobs_refuses_zero_workers_and_starts_the_deeper_runs_first():
+    with pytest.raises(ValueError, match="--workers"):
+        D.run_jobs([], workers=0)
+    jobs = [{"arch": a, "settings": {"max_steps": 5}} for a in ("standard", "tah2", "standard")]
+    assert [D._job_cost(j) for j in jobs] == pytest.approx([800.0, 1840.0, 800.0])
+    assert 1 <= D.default_workers() <= 2
+
+
 def test_plot_writes_a_png(tmp_path):
     D.plot_em_vs_flops(D.aggregate(_runs()), str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
@@ -67,7 +75,7 @@ def test_cli_refuses_arithmetic_with_a_custom_dataset(tmp_path, capsys):
 def test_run_arithmetic_demo_end_to_end_tiny(tmp_path):
     res = D.run_arithmetic_demo(str(tmp_path / "out"), seeds=(0,), steps=1, max_new_tokens=4,
                                 sizes={"n_train": 8, "n_validation": 2, "n_heldout": 3},
-                                training={"per_device_train_batch_size": 2})
+                                training={"per_device_train_batch_size": 2}, workers=2)
     files = set(os.listdir(tmp_path / "out"))
     assert {"report.md", "runs.json", "em_vs_flops.png", "deep_share_by_class.png", "depth_map.png", "data"} <= files and "runs" not in files
     with open(tmp_path / "out" / "runs.json") as f:
@@ -77,3 +85,26 @@ def test_run_arithmetic_demo_end_to_end_tiny(tmp_path):
     assert "did **not** hold" in (tmp_path / "out" / "report.md").read_text() or "held on" in (
         tmp_path / "out" / "report.md").read_text()
     assert len(res["table"][1]) == 3
+    # every run read only its steps × batch problems (the split on disk keeps all 8)
+    assert len(open(tmp_path / "out" / "data" / "train.jsonl").readlines()) == 8
+
+
+def test_cpu_summary_means_per_arch_and_totals_every_phase():
+    runs = {"standard": [{"cpu_seconds": {"startup": 8.0, "train": 20.0, "evaluate": 2.0}},
+                         {"cpu_seconds": {"startup": 0.0, "train": 22.0, "evaluate": 4.0}}],
+            "tah2": [{"cpu_seconds": {"startup": 0.0, "train": 40.0, "evaluate": 6.0}}, {"cpu_seconds": None}]}
+    s = D.cpu_summary(runs)
+    assert s["per_run_mean"]["standard"] == {"startup": 4.0, "train": 21.0, "evaluate": 3.0}
+    assert s["per_run_mean"]["tah2"] == {"startup": 0.0, "train": 40.0, "evaluate": 6.0}
+    assert s["total"] == 102.0  # 30 + 26 + 46; a run without timings adds nothing
+
+
+def test_run_names_come_from_the_architecture_registry():
+    from hf_loops.conversion.registry import display_name
+    from hf_loops.modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
+
+    assert dict(D.ARCHS) == {"standard": "Standard (M=1)", "tah2": "TaH2 (M=2)", "tah2-fixed": "TaH2-fixed (M=2)"}
+    for preset in ("standard", "tah2", "tah2-fixed"):  # the same name a trained checkpoint's config gets
+        cfg = TaH2Config(**{"max_iterations": 2, **TAH2_PRESETS[preset]})
+        assert D.arch_label(preset) == display_name(cfg)
+    assert D.arch_label("tah2", 3) == "TaH2 (M=3)"

@@ -223,7 +223,7 @@ def class_deep_shares(items: Sequence[dict]) -> dict[str, dict]:
     for e in items:
         if "answer_depths" not in e:
             continue
-        for c, d in zip(token_classes(e["answer_tokens"], e["answer_special"]), e["answer_depths"], strict=False):
+        for c, d in zip(token_classes(e["answer_tokens"], e["answer_special"]), e["answer_depths"], strict=True):
             sums[c][0] += 1
             sums[c][1] += d
             sums[c][2] += d >= 2

@@ -21,7 +21,8 @@ def demo(tmp_path_factory):
     data = write_problems(root / "problems.jsonl", n=16)
     out = root / "demo_out"
     result = run_demo(base=base, dataset=data, out=str(out), heldout=4, steps=2, max_new_tokens=8, batch_size=4,
-                      training={"max_length": 96, "per_device_train_batch_size": 4}, progress=False)
+                      training={"max_length": 96, "per_device_train_batch_size": 4}, progress=False, seeds=(0, 1),
+                      workers=2)
     return {"root": root, "base": base, "data": data, "out": out, "result": result}
 
 
@@ -56,6 +57,29 @@ def test_demo_writes_report_checkpoints_and_data(demo):
     assert f"{m['mean_depth']:.3f}" in report and "digits/operators" in report and "Decider accuracy" in report
     assert "does **not** beat" in report or "TaH2 is lower" in report
     assert demo["result"]["table"].splitlines()[0].startswith("run")
+
+
+@pytest.mark.slow
+def test_demo_trains_every_seed_and_reports_mean_and_spread(demo):
+    """Two seeds on two workers: the seed table holds both seeds' numbers; only the first seed's checkpoints stay."""
+    from hf_loops.demo_tasks import table
+
+    saved = json.loads((demo["out"] / "eval.json").read_text())
+    agg = saved["seed_runs"]
+    assert [r["seed"] for r in agg["standard"]] == [0, 1] and [r["seed"] for r in agg["tah2"]] == [0, 1]
+    assert agg["standard"][0]["answer_nll"] == saved["results"][0]["metrics"]["answer_nll"]  # seed 0 = the detail
+    assert agg["tah2"][0]["mean_depth"] == saved["results"][1]["metrics"]["mean_depth"]
+    assert all(r["flops_ratio"] == 1.0 for r in agg["standard"])
+    headers, rows = table(agg)
+    assert [list(r) for r in demo["result"]["seed_table"][1]] == rows
+    report = (demo["out"] / "report.md").read_text()
+    assert "Mean ± std over 2 seed(s) (0, 1)" in report and "| " + " | ".join(rows[1]) + " |" in report
+    assert not (demo["out"] / "runs").exists()
+    # process CPU seconds per run and phase (every run trains and evaluates), and their total in the report
+    cpu = saved["cpu_seconds"]
+    assert set(cpu["per_run_mean"]) == {"standard", "tah2"} and cpu["total"] > 0
+    assert all(v["train"] > 0 and v["evaluate"] > 0 for v in cpu["per_run_mean"].values())
+    assert f"GSM8K {cpu['total']:.0f} s" in report
 
 
 @pytest.mark.slow
