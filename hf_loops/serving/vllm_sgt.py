@@ -24,10 +24,10 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from hf_loops.modeling.configuration_sgt import SGTConfig
-from hf_loops.serving.vllm_tah2 import _MLP, check_engine
+from hf_loops.serving.vllm_tah2 import _MLP, _Qwen3Attention, check_engine, load_checkpoint_weights
 
 __all__ = ["SGTConfig", "SGTForCausalLMvLLM", "loop_passes"]
 
@@ -44,35 +44,16 @@ def loop_passes(config) -> list[tuple[int, list[int] | None]]:
     return passes
 
 
-class _SGTAttention(nn.Module):
+class _SGTAttention(_Qwen3Attention):
     def __init__(self, config, extra: int, cache_config, prefix: str):
-        super().__init__()
-        from vllm.model_executor.layers.attention import Attention
-
-        self.H, self.Hkv = config.num_attention_heads, config.num_key_value_heads
-        self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
-        d, bias = config.hidden_size, config.attention_bias
-        self.scaling = self.D ** -0.5
-        self.q_proj = nn.Linear(d, self.H * self.D, bias=bias)
-        self.k_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
-        self.v_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
-        self.o_proj = nn.Linear(self.H * self.D, d, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
         # call 0: the base pass; call k ≥ 1: the k-th head loop or Block Loop repeat, each with its own KV slot
-        self.attn = nn.ModuleList(
-            Attention(self.H, self.D, self.scaling, num_kv_heads=self.Hkv, cache_config=cache_config,
-                      prefix=f"{prefix}.attn" if k == 0 else f"{prefix}.attn_loop{k}")
-            for k in range(1 + extra))
+        super().__init__(config, cache_config, prefix, [f"attn_loop{k}" for k in range(1, 1 + extra)])
 
     def forward(self, x, cos, sin, call: int, heads: list[int] | None = None):
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.H, self.D)).transpose(0, 1)[None]
-        k = self.k_norm(self.k_proj(x).view(n, self.Hkv, self.D)).transpose(0, 1)[None]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        q = q[0].transpose(0, 1).reshape(n, -1).contiguous()
-        k = k[0].transpose(0, 1).reshape(n, -1).contiguous()
-        out = self.attn[call](q, k, self.v_proj(x).contiguous())
+        q, k, v = self._qkv(x, cos, sin)
+        out = self.attn[call](q.reshape(n, -1).contiguous(), k.reshape(n, -1).contiguous(),
+                              v.reshape(n, -1).contiguous())
         if heads is None:
             return self.o_proj(out)
         # a head loop: only the kept heads' outputs enter W_O (column slice of the shared weight)
@@ -159,15 +140,4 @@ class SGTForCausalLMvLLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise ValueError(f"SGT in vLLM: unexpected weight {name!r} in the checkpoint")
-            with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
-            loaded.add(name)
-        loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
-        return loaded
+        return load_checkpoint_weights(self, weights, "SGT")

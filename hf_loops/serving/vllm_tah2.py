@@ -197,8 +197,11 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _SelfAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, cache_config, prefix: str):
+class _Qwen3Attention(nn.Module):
+    """Qwen3's attention projections and q/k norms with one vLLM `Attention` (one paged KV slot) per name in `slots`
+    (the first is `{prefix}.attn`); TaH2 and SGT subclass it and differ in how they use the slots."""
+
+    def __init__(self, config, cache_config, prefix: str, slots: list[str]):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
@@ -212,11 +215,10 @@ class _SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, d, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
-        # one paged KV slot per (stream, layer); all share the block table of stream 0
         self.attn = nn.ModuleList(
             Attention(self.H, self.D, self.scaling, num_kv_heads=self.Hkv, cache_config=cache_config,
-                      prefix=f"{prefix}.attn" if j == 0 else f"{prefix}.attn_depth{j + 1}")
-            for j in range(config.max_iterations))
+                      prefix=f"{prefix}.{name}")
+            for name in ["attn", *slots])
 
     def _qkv(self, x, cos, sin):
         n = x.shape[0]
@@ -225,6 +227,32 @@ class _SelfAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         v = self.v_proj(x).view(n, self.Hkv, self.D)
         return q[0].transpose(0, 1), k[0].transpose(0, 1), v  # (n, heads, D)
+
+
+def load_checkpoint_weights(model: nn.Module, weights, arch: str, skip=lambda name: False) -> set[str]:
+    """Copy a checkpoint's tensors into `model`'s parameters by name (tied lm_head and `skip(name)` left out); an
+    unknown name is refused. vLLM's attention layers' own scale parameters are not checkpoint weights (vLLM
+    initialises them), so they count as loaded."""
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if name not in params:
+            if skip(name):
+                continue
+            raise ValueError(f"{arch} in vLLM: unexpected weight {name!r} in the checkpoint")
+        with torch.no_grad():
+            params[name].copy_(tensor.to(params[name].dtype))
+        loaded.add(name)
+    loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
+    return loaded
+
+
+class _SelfAttention(_Qwen3Attention):
+    def __init__(self, config, layer_idx: int, cache_config, prefix: str):
+        # one paged KV slot per (stream, layer); all share the block table of stream 0
+        super().__init__(config, cache_config, prefix, [f"attn_depth{j + 1}" for j in range(1, config.max_iterations)])
 
     def forward(self, x, cos, sin, stream: int, plan: DeepPlan | None, runtime):
         q, k, v = self._qkv(x, cos, sin)
@@ -387,21 +415,9 @@ class TaH2ForCausalLMvLLM(nn.Module):
         return torch.logsumexp(log_w[..., None] + logp, dim=1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                if name.startswith(("updater.", "decider.")) and self.M == 1:
-                    continue
-                raise ValueError(f"TaH2 in vLLM: unexpected weight {name!r} in the checkpoint")
-            with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
-            loaded.add(name)
-        # the attention layers' own scale parameters are not checkpoint weights: vLLM initialises them
-        loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
-        return loaded
+        # a depth-1 checkpoint may carry an updater and decider this model has no use for
+        return load_checkpoint_weights(self, weights, "TaH2",
+                                       skip=lambda name: self.M == 1 and name.startswith(("updater.", "decider.")))
 
     def depth_statistics(self, reset: bool = False) -> dict:
         """Tokens run at each depth since the last reset, their mean executed depth and the continue rate after each
