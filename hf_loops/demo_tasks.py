@@ -175,7 +175,8 @@ def cpu_summary(runs: dict[str, list[dict]]) -> dict:
     for arch, rs in runs.items():
         cs = [r["cpu_seconds"] for r in rs if r.get("cpu_seconds")]
         if cs:
-            out["per_run_mean"][arch] = {k: round(statistics.fmean(c[k] for c in cs), 1) for k in cs[0]}
+            # 3 decimals: a tiny run's evaluation takes under 0.05 s, which one decimal rounds to 0.0
+            out["per_run_mean"][arch] = {k: round(statistics.fmean(c[k] for c in cs), 3) for k in cs[0]}
             out["total"] += sum(sum(c.values()) for c in cs)
     out["total"] = round(out["total"], 1)
     return out

@@ -3,18 +3,16 @@ gradients, entropy probe); unsupported `attn_implementation` values raise a clea
 
 flex_attention on CPU is compiled by transformers (torch.compile of `flex_attention` and `create_block_mask`), which
 costs up to a minute per new shape on a cold 2-core machine. The `eager_flex` fixture runs the same transformers
-integration (the `BlockMask` from `create_causal_mask`, the same `flex_attention` call) with torch's uncompiled
-`flex_attention`; `test_compiled_flex_attention_equals_eager` runs the compiled kernel and is opt-in
-(HF_LOOPS_COMPILED_FLEX=1).
+integration (the `BlockMask` from `create_causal_mask`, the same `flex_attention` call) with torch's dense reference
+kernel (`helpers.flex.uncompiled_flex`); `test_compiled_flex_attention_equals_eager` runs the compiled kernel and is
+opt-in (HF_LOOPS_COMPILED_FLEX=1).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from torch.nn.attention import flex_attention as torch_flex
+from helpers.flex import COMPILED_FLEX, uncompiled_flex
 
 import hf_loops  # noqa: F401  (registers the Auto classes)
 from hf_loops import SGTConfig, SGTForCausalLM
@@ -30,16 +28,8 @@ VARIANTS = ["sliced", "masked", "block"]
 
 @pytest.fixture
 def eager_flex(monkeypatch):
-    """transformers' flex path with torch's uncompiled flex_attention and block-mask construction."""
-    import transformers.integrations.flex_attention as hf_flex
-    import transformers.masking_utils as masking
-
-    def uncompiled(query, key, value, training=False, **kwargs):
-        return torch_flex.flex_attention(query, key, value, **kwargs)
-
-    create = masking.create_block_mask
-    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", uncompiled)
-    monkeypatch.setattr(masking, "create_block_mask", lambda *a, **k: create(*a, **{**k, "_compile": False}))
+    """transformers' flex path with torch's dense flex kernel and uncompiled block-mask construction."""
+    uncompiled_flex(monkeypatch)
 
 
 def make(variant="sliced", attn="eager", seed=0) -> SGTForCausalLM:
@@ -214,8 +204,7 @@ def test_entropy_probe_equals_eager(attn, eager_flex):
     assert (stats[attn][0] - stats["eager"][0]).abs().max().item() < 1e-5
 
 
-@pytest.mark.skipif(os.environ.get("HF_LOOPS_COMPILED_FLEX") != "1",
-                    reason="compiled flex_attention on CPU takes minutes to compile; set HF_LOOPS_COMPILED_FLEX=1")
+@COMPILED_FLEX
 def test_compiled_flex_attention_equals_eager():
     """The compiled kernel: left-padded prefill + cached decode steps. On CPU, `SGTModel.forward` compiles flex for
     static shapes (`loop_utils.flex_cpu_guard`): torch 2.13's dynamic-shape CPU flex kernel does not build for a

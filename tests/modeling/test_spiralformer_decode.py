@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from helpers.flex import uncompiled_flex
 from helpers.sync_helpers import spy_syncs
 from test_spiralformer import VOCAB, make_config, make_model
 from transformers import DynamicCache
@@ -238,20 +239,9 @@ def test_decode_step_makes_one_host_sync(monkeypatch, impl):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _eager_flex(monkeypatch):
-    """Run transformers' flex integration without torch.compile (the unfused reference kernel of the same op): the
-    masks under test are the BlockMasks; compiling flex on CPU costs ~10 s per shape."""
-    from torch.nn.attention.flex_attention import flex_attention
-    from transformers.integrations import flex_attention as hf_flex
-
-    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
-                        lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.slow
 def test_sdpa_and_flex_attention_match_eager_prefill_and_decode(monkeypatch):
-    _eager_flex(monkeypatch)
+    uncompiled_flex(monkeypatch)  # the masks under test are the BlockMasks (see helpers.flex)
     model = make_model(chunk_sizes=[4, 2, 1])
     ids, mask = left_padded([14, 9, 5], seed=8)
     aligned = torch.randint(2, VOCAB, (2, 11), generator=torch.Generator().manual_seed(9))
@@ -268,9 +258,8 @@ def test_sdpa_and_flex_attention_match_eager_prefill_and_decode(monkeypatch):
             assert max_real_diff(got, ref, m) < 1e-5, (impl, k)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_builds_block_masks_once_per_call(monkeypatch):
-    _eager_flex(monkeypatch)
+    uncompiled_flex(monkeypatch)  # the masks under test are the BlockMasks (see helpers.flex)
     from torch.nn.attention import flex_attention as torch_flex
 
     built = []

@@ -1,15 +1,23 @@
 """TaH2's attention backends. flex_attention: the cross-iteration visibility goes through a `BlockMask` (built once per depth pass)
-and gives the eager answer — full forward with left padding, cached decoding (ragged deeper streams).
+and gives the eager answer — full forward with left padding, cached decoding (ragged deeper streams), causality.
 
-flex compiles its kernel once per shape on CPU (static shapes: see `loop_utils.flex_cpu_guard`), so the cases are few
-and share one module-scoped model. flash-attention: stream 0 only (checked with a stand-in kernel; flash-attn does not
-build here), the deeper depths under sdpa."""
+The mask checks run transformers' flex path with torch's dense flex kernel (`helpers.flex.uncompiled_flex`): on CPU
+the compiled kernel is built once per shape (static shapes: see `loop_utils.flex_cpu_guard`), seconds each, and a
+looped model meets a new shape at every depth pass. One test runs the compiled kernel on a full forward.
+flash-attention: stream 0 only (checked with a stand-in kernel; flash-attn does not build here), the deeper depths
+under sdpa."""
 
 import pytest
 import torch
+from helpers.flex import uncompiled_flex
 from helpers.tah2_helpers import pattern_by_hidden, script_decider, tiny_tah2
 
 pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+@pytest.fixture
+def dense_flex(monkeypatch):
+    uncompiled_flex(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,7 @@ def _batch():
     return ids, mask
 
 
-@pytest.mark.slow
-def test_flex_full_forward_equals_eager(models):
+def _full_forward_equals_eager(models):
     eager, flex = models["duo"]
     ids, mask = _batch()
     with torch.no_grad():
@@ -45,8 +52,18 @@ def test_flex_full_forward_equals_eager(models):
     assert (a.logits - b.logits)[real].abs().max() <= 1e-5
 
 
+def test_flex_full_forward_equals_eager(models, dense_flex):
+    _full_forward_equals_eager(models)
+
+
 @pytest.mark.slow
-def test_flex_cached_decode_equals_eager_full_forward(models):
+def test_compiled_flex_full_forward_equals_eager(models):
+    """The kernel users get on CPU: compiled per shape under `flex_cpu_guard` (three depth passes, three shapes)."""
+    torch._dynamo.reset()  # compile from a clean state whatever other tests compiled before in this process
+    _full_forward_equals_eager(models)
+
+
+def test_flex_cached_decode_equals_eager_full_forward(models, dense_flex):
     eager, flex = models["duo"]
     ids, mask = _batch()
     with torch.no_grad():
@@ -60,9 +77,9 @@ def test_flex_cached_decode_equals_eager_full_forward(models):
     assert (torch.cat(logits, 1) - full.logits)[real].abs().max() <= 1e-5
 
 
-@pytest.mark.slow
-def test_flex_backward_on_cpu_is_torchs_limit_not_ours(models):
+def test_flex_backward_on_cpu_is_torchs_limit_not_ours(models, monkeypatch):
     """Training under flex needs an accelerator: torch 2.13 has no CPU backward for flex_attention."""
+    uncompiled_flex(monkeypatch, backward=True)
     _, flex = models["duo"]
     ids, mask = _batch()
     flex.train()
@@ -112,8 +129,7 @@ def test_flash_attention_runs_stream_zero_and_sdpa_runs_the_deeper_depths(monkey
     assert calls[-1] == (1, 10)
 
 
-@pytest.mark.slow
-def test_flex_causality_a_later_token_never_changes_earlier_outputs(models):
+def test_flex_causality_a_later_token_never_changes_earlier_outputs(models, dense_flex):
     _, flex = models["duo"]
     ids, mask = _batch()
     changed = ids.clone()

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.multiprocess  # two ranks at once: make test runs these after the parallel run
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the workers and helpers
 sys.path.insert(0, HERE)
 

@@ -382,6 +382,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_rank_all_reduce_equals_one_process(tmp_path):
     """Rank r sees micro-batch r; after all_reduce both ranks hold the EMA one process gets from both micro-batches.
     This process is rank 0 (its imports are warm), a subprocess is rank 1."""

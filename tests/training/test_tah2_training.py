@@ -119,6 +119,7 @@ def test_train_script_errors(data, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_ranks_pool_cutoffs_and_class_balance_like_one_process(tmp_path):
     out = tmp_path / "dist.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))

@@ -206,6 +206,7 @@ def test_sweep_covers_some_depth2_none_depth3_and_a_fully_padded_row(M):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_training_sweep_on_two_gloo_ranks_with_different_depths(tmp_path):
     """The sweep under DDP (with and without unused-parameter detection): ranks execute different depths, often one
     rank continues nothing; loss, backward, gradient sync and pooled labels all hold."""
@@ -240,6 +241,7 @@ def _needs_shared_tokenizer():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_logged_losses_mean_the_same_for_any_accumulation_and_process_count(tmp_path):
     _needs_shared_tokenizer()
     from helpers.trainer_metrics_worker import build_trainer, logged
