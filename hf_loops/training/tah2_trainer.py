@@ -18,6 +18,7 @@ from trl import SFTConfig, SFTTrainer
 from ..core.numbers import check_float, check_int
 from ..modeling.modeling_tah2 import shift_targets
 from .checkpoints import AtomicCheckpointsMixin
+from .fingerprints import register_tokenizer_fingerprint
 from .tah2_labels import compute_depth_labels, decider_bce_sum, ouro_gate_loss_sum
 
 
@@ -213,6 +214,8 @@ class TaH2SFTTrainer(AtomicCheckpointsMixin, SFTTrainer):
     """`SFTTrainer` whose loss is TaH2's joint objective (Eq. 7) with lookahead labels."""
 
     def __init__(self, *args, **kwargs):
+        # Before SFTTrainer prepares the datasets: each of its `map` calls fingerprints the tokenizer (fingerprints.py).
+        register_tokenizer_fingerprint(kwargs.get("processing_class", args[5] if len(args) > 5 else None))
         super().__init__(*args, **kwargs)
         core = _unwrap(self.model)
         if getattr(core.config, "decider", None) == "exit_gate":
