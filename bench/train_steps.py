@@ -7,6 +7,7 @@ the tokens to depth 2 and the row reports that realised depth d̄ next to the go
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -41,7 +42,10 @@ def _shape(ctx: Ctx) -> str:
     return f"batch {ctx.workload.train_batch} × {ctx.workload.train_seq} tokens"
 
 
-def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
+def sft_models_and_step(size: Size, ctx: Ctx):
+    """The `tah2-sft` row's workload (also `python -m bench.profile_sft`'s): ({"standard": step, "tah2": step},
+    attention backend), each step one zero_grad + forward + backward through `tah2_joint_loss` on the row's batch,
+    returning the model's realised mean depth."""
     def make():
         qwen = qwen3_source(size)
         return (convert_qwen3(qwen, "tah2", seed=0, **TAH2_PRESETS["standard"]),
@@ -62,9 +66,15 @@ def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
             loss, out, _ = tah2_joint_loss(model, batch, sup)
             loss.backward()
             return float(out.iter_counts.float().mean())
-        return lambda: timed(ctx.device, run)
+        return run
 
-    best = interleaved_best({"standard": step(standard), "tah2": step(tah2)}, ctx.workload.repeats)
+    return {"standard": step(standard), "tah2": step(tah2)}, attn
+
+
+def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
+    runs, attn = sft_models_and_step(size, ctx)
+    best = interleaved_best({k: functools.partial(timed, ctx.device, fn) for k, fn in runs.items()},
+                            ctx.workload.repeats)
     ratio, d = best["tah2"][0] / best["standard"][0], best["tah2"][1]
     bound = min(1.9, d + 0.4)
     return [Row("tah2-sft", "TaH2 SFT step ÷ Standard SFT step (M = 2, lookahead)", size.name,
