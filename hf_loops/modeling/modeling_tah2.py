@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -485,28 +486,53 @@ def head_target_log_prob(head, hidden: torch.Tensor, targets: torch.Tensor) -> t
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Weight gradients of the shared linear layers: one per depth, summed in place
+# Weight gradients of the shared linear layers: one sum per weight, accumulated inside the products
 # ----------------------------------------------------------------------------------------------------------------------
 
+# The autograd engine's own answers to "which backward pass is this" and "will this node run in it"; without them
+# (another torch) every call returns its own weight gradient, which autograd sums in place.
+_ENGINE_QUERIES = hasattr(torch._C, "_current_graph_task_id") and hasattr(torch._C, "_will_engine_execute_node")
 
-class _LinearOwnWeightGrad(torch.autograd.Function):
-    """`F.linear(x, weight)` (no bias) whose weight gradient g^T x is a tensor of its own.
 
-    Every depth runs the same backbone and LM head, so each of their weights receives one gradient per depth, and
-    autograd sums them before the weight's `.grad` sees them. It sums in place only when the gradient already in
-    its buffer is a tensor nothing else holds; `nn.Linear`'s backward hands over a transposed view of its product,
-    so every extra depth used to cost a weight-sized allocation and an out-of-place add (at the bench's 100m size
-    about 0.2 s of a 3.8 s SFT step, the LM head's 131 MB on fresh pages each time). This product is a plain
-    tensor, which the sum takes over and adds to in place. Each call returns its own gradient, so the sum is the
-    same whatever the order of the calls' backward, over any subset of them, and over repeated backwards."""
+class _WeightGradSum:
+    """One weight's gradient over the calls of one forward: the later calls (deeper depths) add their products
+    into `buffer` with `addmm_` while the first call (the owner) is still to run in the same backward pass; the
+    owner adds its own and returns the total."""
+
+    __slots__ = ("owner", "buffer", "task", "owner_done")
+
+    def __init__(self):
+        self.owner = None  # weak reference to the first call's backward node
+        self.buffer = None
+        self.task = None  # the backward pass `buffer` belongs to
+        self.owner_done = None  # the last backward pass in which the owner returned
+
+
+class _LinearSharedWeight(torch.autograd.Function):
+    """`F.linear(x, weight)` (no bias) whose weight gradient g^T x is summed over the calls of one forward inside the
+    products.
+
+    Every depth runs the same backbone and LM head, so each of their weights receives one gradient per depth.
+    Autograd sums them in the weight's input buffer, in place only when the first to arrive is a tensor nothing
+    else holds; `nn.Linear`'s backward hands over a transposed view of its product, so every extra depth used to cost
+    a weight-sized allocation and an out-of-place add (at the bench's 100m size about 0.2 s of a 3.8 s SFT step, the
+    LM head's 131 MB on fresh pages each time). Here a later call that runs before its weight's first call in the
+    same backward pass, while that call is still to run (the engine says so), adds its product into one buffer with
+    `addmm_` and returns nothing; the first call returns buffer + its product. Every other call returns its own
+    product, a plain tensor that autograd adds to in place. So each product is counted exactly once in every
+    backward pass, whatever the order, whichever calls run (`torch.autograd.grad` on part of the graph, a retained
+    graph run twice). Depth 1 feeds the deeper depths, so in a training step its call runs last and every deeper
+    product goes into the buffer. Same sums up to float rounding."""
 
     @staticmethod
-    def forward(x, weight):
+    def forward(x, weight, total, owner):
         return F.linear(x, weight)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        x, weight, total, owner = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.total, ctx.owner = total, owner
 
     @staticmethod
     def backward(ctx, grad):
@@ -514,30 +540,57 @@ class _LinearOwnWeightGrad(torch.autograd.Function):
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_w
+            g, a = grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+            total = ctx.total
+            if total is None:  # no engine queries: return the own product
+                return grad_x, torch.mm(g, a), None, None
+            task = torch._C._current_graph_task_id()
+            if total.buffer is not None and total.task != task:  # left by a pass that failed before its owner ran
+                total.buffer = None
+            owner = total.owner() if total.owner is not None else None
+            if ctx.owner:
+                grad_w = torch.mm(g, a) if total.buffer is None else total.buffer.addmm_(g, a)
+                total.buffer, total.owner_done = None, task
+            elif (total.owner_done != task and owner is not None
+                  and torch._C._will_engine_execute_node(owner)):
+                total.buffer = torch.mm(g, a) if total.buffer is None else total.buffer.addmm_(g, a)
+                total.task = task
+            else:
+                grad_w = torch.mm(g, a)
+        return grad_x, grad_w, None, None
 
 
-def _linear_own_weight_grad(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearOwnWeightGrad.apply(x, module.weight)
-
-
-class _OwnWeightGrads:
+class _SharedWeightLinears:
     """While active, the plain bias-free `nn.Linear` layers among `modules` whose weight is trained compute through
-    `_LinearOwnWeightGrad` (the instance's `forward` is shadowed and restored on exit; module hooks still run).
-    Layers of another type (LoRA, quantised, sharded / DTensor weights) and frozen weights keep their own forward.
-    Only for a pass whose backward runs without recomputing the layers: not under activation checkpointing, whose
-    recompute would run the plain layers."""
+    `_LinearSharedWeight` whenever gradients are recorded (the instance's `forward` is shadowed and restored on exit;
+    module hooks still run). Layers of another type (LoRA, quantised, sharded / DTensor weights) and frozen weights
+    keep their own forward. Only for a pass whose backward runs without recomputing the layers: not under activation
+    checkpointing, whose recompute would run the plain layers."""
 
     def __init__(self, modules, enabled: bool = True):
         self.layers = []
         if enabled:
             self.layers = [m for m in modules if type(m) is nn.Linear and m.bias is None
                            and type(m.weight) is nn.Parameter and m.weight.requires_grad and "forward" not in m.__dict__]
+        self.totals: dict = {}
+
+    def _call(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return F.linear(x, module.weight)
+        if not _ENGINE_QUERIES:
+            return _LinearSharedWeight.apply(x, module.weight, None, True)
+        total = self.totals.get(module)
+        owner = total is None
+        if owner:
+            total = self.totals[module] = _WeightGradSum()
+        out = _LinearSharedWeight.apply(x, module.weight, total, owner)
+        if owner:
+            total.owner = weakref.ref(out.grad_fn)
+        return out
 
     def __enter__(self):
         for m in self.layers:
-            m.forward = functools.partial(_linear_own_weight_grad, m)
+            m.forward = functools.partial(self._call, m)
         return self
 
     def __exit__(self, *exc):
@@ -872,8 +925,8 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     # fewer FLOPs than per-row padding (`_flat_is_cheaper`), "flat", or "per_row". The same values up to float rounding
     # (tests compare the two).
     deeper_packing = "auto"
-    # Sum the per-depth gradients of the shared weights in place (`_LinearOwnWeightGrad`); False: nn.Linear's own
-    # backward. The same values (tests compare the two).
+    # Sum the per-depth gradients of the shared weights inside the products (`_LinearSharedWeight`); False:
+    # nn.Linear's own backward. The same values up to float rounding (tests compare the two).
     weight_grads_in_place = True
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
@@ -943,13 +996,13 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     def _needs_logits_for_decisions(self) -> bool:
         return self.config.decider == "learned" or self.config.updater == "topk_embedding"
 
-    def _weight_grads_in_place(self, max_iterations: int, device) -> _OwnWeightGrads:
-        """The per-depth weight gradients of a looped forward are summed in place (`_LinearOwnWeightGrad`); off under
-        activation checkpointing (its recompute runs the plain layers), autocast (the saved inputs would not match the
-        autocast product's dtype) and `weight_grads_in_place = False`."""
+    def _weight_grads_in_place(self, max_iterations: int, device) -> _SharedWeightLinears:
+        """The per-depth weight gradients of a looped forward are summed inside the products (`_LinearSharedWeight`);
+        off under activation checkpointing (its recompute runs the plain layers), autocast (the saved inputs would not
+        match the autocast product's dtype) and `weight_grads_in_place = False`."""
         enabled = (self.weight_grads_in_place and max_iterations > 1 and torch.is_grad_enabled()
                    and not self.model.gradient_checkpointing and not torch.is_autocast_enabled(device.type))
-        return _OwnWeightGrads(self.modules(), enabled)
+        return _SharedWeightLinears(self.modules(), enabled)
 
     def _unused_parameter_anchor(self) -> torch.Tensor:
         """0 · Σ p over the trainable updater/decider parameters, added to the training loss *inside* forward.

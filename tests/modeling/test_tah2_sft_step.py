@@ -1,8 +1,9 @@
 """The SFT step's fast paths compute what the plain ones compute.
 
-- `_LinearOwnWeightGrad`: each call of a shared linear weight returns its weight gradient as a tensor of its own, so
-  autograd sums the depths' gradients in place; the gradient equals `F.linear`'s whatever order the calls
-  backpropagate in, when some never do, and over a second backward; and the sum really is in place.
+- `_LinearSharedWeight`: the per-depth gradients of a shared linear weight are summed inside the products (`addmm_`
+  into one buffer that the weight's first call returns) instead of by autograd; the gradient equals `F.linear`'s
+  whatever order the calls backpropagate in, when some never do, over a second backward and under
+  `torch.autograd.grad` on part of the graph; and no weight-sized add is left.
 - `target_log_prob_and_topk`: the mixture's log q(m)[y] and the decider's top-k probabilities from one pass over the
   logits equal the two separate read-outs, gradients included.
 - The joint loss (`tah2_joint_loss`) with both paths on equals the plain computation: loss, every parameter's
@@ -32,13 +33,16 @@ def _three_calls(weight, xs, shared: bool):
         return [F.linear(x, weight) for x in xs]
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     layer.weight = weight
-    with tah2._OwnWeightGrads([layer]) as ctx:
+    with tah2._SharedWeightLinears([layer]) as ctx:
         assert ctx.layers == [layer]
         return [layer(x) for x in xs]
 
 
+@pytest.mark.parametrize("queries", [True, False], ids=["engine_queries", "own_products"])
 @pytest.mark.parametrize("used", [(0, 1, 2), (0, 2), (0,), (1, 2)])
-def test_shared_weight_gradient_equals_plain_linear_for_any_subset_of_used_calls(used):
+def test_shared_weight_gradient_equals_plain_linear_for_any_subset_of_used_calls(used, queries, monkeypatch):
+    """`own_products`: a torch without the engine queries, where every call returns its own product."""
+    monkeypatch.setattr(tah2, "_ENGINE_QUERIES", tah2._ENGINE_QUERIES and queries)
     torch.manual_seed(0)
     w = torch.randn(5, 4, dtype=torch.float64)
     xs = [torch.randn(2, n, 4, dtype=torch.float64, requires_grad=True) for n in (3, 2, 4)]
@@ -47,11 +51,13 @@ def test_shared_weight_gradient_equals_plain_linear_for_any_subset_of_used_calls
         weight = torch.nn.Parameter(w.clone())
         ys = _three_calls(weight, xs, shared)
         loss = sum((ys[i] * (i + 1)).pow(2).sum() for i in used)
-        x_grads = torch.autograd.grad(loss, [xs[i] for i in used], retain_graph=True)
+        x_grads = torch.autograd.grad(loss, [xs[i] for i in used], retain_graph=True)  # the weight not asked for
+        (w_grad,) = torch.autograd.grad(loss, [weight], retain_graph=True)  # the weight alone
         loss.backward()
-        grads.append((weight.grad.clone(), x_grads))
+        grads.append((weight.grad.clone(), w_grad, x_grads))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-12, atol=1e-12)
-    for a, b in zip(grads[1][1], grads[0][1], strict=True):
+    torch.testing.assert_close(grads[1][1], grads[0][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads[1][2], grads[0][2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -81,16 +87,16 @@ def test_shared_weight_linears_leave_other_layers_alone_and_restore_forward():
         pass
 
     sub = Sub(4, 3, bias=False)
-    with tah2._OwnWeightGrads([plain, biased, frozen, sub]) as ctx:
+    with tah2._SharedWeightLinears([plain, biased, frozen, sub]) as ctx:
         assert ctx.layers == [plain]
         assert "forward" in vars(plain)
     assert all("forward" not in vars(m) for m in (plain, biased, frozen, sub))
-    assert tah2._OwnWeightGrads([plain], enabled=False).layers == []
+    assert tah2._SharedWeightLinears([plain], enabled=False).layers == []
 
 
-def test_shared_weight_gradients_are_summed_in_place():
-    """Two depths' gradients of one weight: nn.Linear's are summed out of place (a fresh weight-sized tensor), the
-    own-gradient products in place (`add_`), which is the point of the path."""
+def test_shared_weight_gradients_are_summed_inside_the_products():
+    """Two depths' gradients of one weight: nn.Linear's are summed out of place (a fresh weight-sized tensor); the
+    shared-weight products leave no weight-sized add at all (`addmm_` into one buffer), the point of the path."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(3)
@@ -102,7 +108,7 @@ def test_shared_weight_gradients_are_summed_in_place():
             sum(y.sum() for y in _three_calls(weight, xs, shared)).backward()
         ops.append([e.name for e in prof.events() if e.name in ("aten::add", "aten::add_")
                     and e.input_shapes and list(e.input_shapes[0]) == [32, 16]])
-    assert ops == [["aten::add"], ["aten::add_"]]
+    assert ops == [["aten::add"], []]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -153,14 +159,14 @@ def _joint(seed, fast: bool, M: int, mode: str, padding: str, tied: bool):
     if not fast:  # the learned decider reads its own top-k; the step computes log q(m)[y] separately
         model._reads_topk_in_training = lambda: False
     calls = []
-    apply = tah2._LinearOwnWeightGrad.apply
-    tah2._LinearOwnWeightGrad.apply = lambda x, w: calls.append(w) or apply(x, w)
+    apply = tah2._LinearSharedWeight.apply
+    tah2._LinearSharedWeight.apply = lambda x, w, *rest: calls.append(w) or apply(x, w, *rest)
     try:
         batch = make_batch(random.Random(seed), padding)
         loss, out, metrics = tah2_joint_loss(model, {**batch.inputs, "exit_threshold": 0.5}, ArgsNS())
         loss.backward()
     finally:
-        tah2._LinearOwnWeightGrad.apply = apply
+        tah2._LinearSharedWeight.apply = apply
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, out, calls
 
