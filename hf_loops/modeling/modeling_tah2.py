@@ -525,14 +525,10 @@ class _LinearSharedWeight(torch.autograd.Function):
     product goes into the buffer. Same sums up to float rounding."""
 
     @staticmethod
-    def forward(x, weight, total, owner):
-        return F.linear(x, weight)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, total, owner = inputs
+    def forward(ctx, x, weight, total, owner):  # not the `setup_context` form: its `apply` binds a signature per call
         ctx.save_for_backward(x, weight)
         ctx.total, ctx.owner = total, owner
+        return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -999,9 +995,11 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     def _weight_grads_in_place(self, max_iterations: int, device) -> _SharedWeightLinears:
         """The per-depth weight gradients of a looped forward are summed inside the products (`_LinearSharedWeight`);
         off under activation checkpointing (its recompute runs the plain layers), autocast (the saved inputs would not
-        match the autocast product's dtype) and `weight_grads_in_place = False`."""
+        match the autocast product's dtype), torch.compile (it traces the plain layers) and
+        `weight_grads_in_place = False`."""
         enabled = (self.weight_grads_in_place and max_iterations > 1 and torch.is_grad_enabled()
-                   and not self.model.gradient_checkpointing and not torch.is_autocast_enabled(device.type))
+                   and not self.model.gradient_checkpointing and not torch.is_autocast_enabled(device.type)
+                   and not torch.compiler.is_compiling())
         return _SharedWeightLinears(self.modules(), enabled)
 
     def _unused_parameter_anchor(self) -> torch.Tensor:
