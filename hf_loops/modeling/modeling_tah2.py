@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +107,12 @@ class TaH2Decider(nn.Module):
             top = F.pad(top, (0, self.topk - k))
         return top
 
-    def forward(self, embeds, hidden, logits) -> torch.Tensor:
-        """Continue logit (fp32), one per token."""
-        p = self.topk_probs(logits).to(hidden.dtype)
+    def forward(self, embeds, hidden, logits, top_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Continue logit (fp32), one per token. `top_probs`: the k largest probabilities of `logits`, when the caller
+        has them already (the training read-out computes them with log q(m)[y], `target_log_prob_and_topk`)."""
+        if top_probs is not None and top_probs.shape[-1] < self.topk:
+            top_probs = F.pad(top_probs, (0, self.topk - top_probs.shape[-1]))
+        p = (self.topk_probs(logits) if top_probs is None else top_probs).to(hidden.dtype)
         x = self.input_proj(torch.cat([self.norm_first(embeds), self.norm_last(hidden), self.norm_l(p)], dim=-1))
         return self.score(self.norm_out(self.mlp(x))).squeeze(-1).float()
 
@@ -296,6 +300,7 @@ class DepthStep:
     continue_prob: torch.Tensor  # g(m); 0 at m = M
     cont: torch.Tensor  # (N,) bool: the token runs depth m + 1
     emit: torch.Tensor | None = None  # (N,) bool: the token's output includes this depth (None: every token; Q-exit)
+    target_logprob: torch.Tensor | None = None  # (N,) log q(m)[y] (fp32, with gradient) when the call has targets
 
 
 class StoppingWeightedMixture:
@@ -431,6 +436,33 @@ class _TopKProbs(torch.autograd.Function):
         return _softmax_scaled_grad(logits, lse, weighted.sum(-1), index, weighted), None
 
 
+class _TargetLogProbAndTopK(torch.autograd.Function):
+    """`_TargetLogProb` and `_TopKProbs` of the same logits in one: one logsumexp sweep, and one backward buffer
+    −(g_y + Σ_k g_k p_k) · softmax(z) + onehot(y)·g_y + scatter(top, g·p) instead of two summed by autograd."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, k):
+        lse = _row_logsumexp(logits)
+        values, index = logits.topk(k, dim=-1)
+        probs = torch.exp(values.float() - lse[:, None])
+        ctx.save_for_backward(logits, targets, index, probs, lse)
+        return logits.gather(-1, targets[:, None]).squeeze(-1).float() - lse, probs
+
+    @staticmethod
+    def backward(ctx, grad_target, grad_probs):
+        logits, targets, index, probs, lse = ctx.saved_tensors
+        g_target, weighted = grad_target.float(), grad_probs.float() * probs
+        scale = g_target + weighted.sum(-1)
+        return _softmax_scaled_grad(logits, lse, scale, torch.cat([targets[:, None], index], 1),
+                                    torch.cat([g_target[:, None], weighted], 1)), None, None
+
+
+def target_log_prob_and_topk(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`target_log_prob(logits, targets)`, `topk_probs(logits, k)`) from one pass over the logits, gradients
+    included: the decider's read-out and the mixture's log q(m)[y] of a training depth."""
+    return _TargetLogProbAndTopK.apply(logits, targets, k)
+
+
 def topk_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
     """(N, k) fp32: the k largest next-token probabilities of each row, descending (k ≤ V); equal to
     `exp(z.float().topk(k).values − logsumexp(z.float()))`, gradient included, without (N, V) temporaries."""
@@ -451,6 +483,116 @@ def head_target_log_prob(head, hidden: torch.Tensor, targets: torch.Tensor) -> t
     if step >= n:
         return target_log_prob(head(hidden), targets)
     return torch.cat([target_log_prob(head(hidden[s:s + step]), targets[s:s + step]) for s in range(0, n, step)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Weight gradients of the shared linear layers: one sum per weight, accumulated inside the products
+# ----------------------------------------------------------------------------------------------------------------------
+
+# The autograd engine's own answers to "which backward pass is this" and "will this node run in it"; without them
+# (another torch) every call returns its own weight gradient, which autograd sums in place.
+_ENGINE_QUERIES = hasattr(torch._C, "_current_graph_task_id") and hasattr(torch._C, "_will_engine_execute_node")
+
+
+class _WeightGradSum:
+    """One weight's gradient over the calls of one forward: the later calls (deeper depths) add their products
+    into `buffer` with `addmm_` while the first call (the owner) is still to run in the same backward pass; the
+    owner adds its own and returns the total."""
+
+    __slots__ = ("owner", "buffer", "task", "owner_done")
+
+    def __init__(self):
+        self.owner = None  # weak reference to the first call's backward node
+        self.buffer = None
+        self.task = None  # the backward pass `buffer` belongs to
+        self.owner_done = None  # the last backward pass in which the owner returned
+
+
+class _LinearSharedWeight(torch.autograd.Function):
+    """`F.linear(x, weight)` (no bias) whose weight gradient g^T x is summed over the calls of one forward inside the
+    products.
+
+    Every depth runs the same backbone and LM head, so each of their weights receives one gradient per depth.
+    Autograd sums them in the weight's input buffer, in place only when the first to arrive is a tensor nothing
+    else holds; `nn.Linear`'s backward hands over a transposed view of its product, so every extra depth used to cost
+    a weight-sized allocation and an out-of-place add (at the bench's 100m size about 0.2 s of a 3.8 s SFT step, the
+    LM head's 131 MB on fresh pages each time). Here a later call that runs before its weight's first call in the
+    same backward pass, while that call is still to run (the engine says so), adds its product into one buffer with
+    `addmm_` and returns nothing; the first call returns buffer + its product. Every other call returns its own
+    product, a plain tensor that autograd adds to in place. So each product is counted exactly once in every
+    backward pass, whatever the order, whichever calls run (`torch.autograd.grad` on part of the graph, a retained
+    graph run twice). Depth 1 feeds the deeper depths, so in a training step its call runs last and every deeper
+    product goes into the buffer. Same sums up to float rounding."""
+
+    @staticmethod
+    def forward(ctx, x, weight, total, owner):  # not the `setup_context` form: its `apply` binds a signature per call
+        ctx.save_for_backward(x, weight)
+        ctx.total, ctx.owner = total, owner
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            g, a = grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+            total = ctx.total
+            if total is None:  # no engine queries: return the own product
+                return grad_x, torch.mm(g, a), None, None
+            task = torch._C._current_graph_task_id()
+            if total.buffer is not None and total.task != task:  # left by a pass that failed before its owner ran
+                total.buffer = None
+            owner = total.owner() if total.owner is not None else None
+            if ctx.owner:
+                grad_w = torch.mm(g, a) if total.buffer is None else total.buffer.addmm_(g, a)
+                total.buffer, total.owner_done = None, task
+            elif (total.owner_done != task and owner is not None
+                  and torch._C._will_engine_execute_node(owner)):
+                total.buffer = torch.mm(g, a) if total.buffer is None else total.buffer.addmm_(g, a)
+                total.task = task
+            else:
+                grad_w = torch.mm(g, a)
+        return grad_x, grad_w, None, None
+
+
+class _SharedWeightLinears:
+    """While active, the plain bias-free `nn.Linear` layers among `modules` whose weight is trained compute through
+    `_LinearSharedWeight` whenever gradients are recorded (the instance's `forward` is shadowed and restored on exit;
+    module hooks still run). Layers of another type (LoRA, quantised, sharded / DTensor weights) and frozen weights
+    keep their own forward. Only for a pass whose backward runs without recomputing the layers: not under activation
+    checkpointing, whose recompute would run the plain layers."""
+
+    def __init__(self, modules, enabled: bool = True):
+        self.layers = []
+        if enabled:
+            self.layers = [m for m in modules if type(m) is nn.Linear and m.bias is None
+                           and type(m.weight) is nn.Parameter and m.weight.requires_grad and "forward" not in m.__dict__]
+        self.totals: dict = {}
+
+    def _call(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return F.linear(x, module.weight)
+        if not _ENGINE_QUERIES:
+            return _LinearSharedWeight.apply(x, module.weight, None, True)
+        total = self.totals.get(module)
+        owner = total is None
+        if owner:
+            total = self.totals[module] = _WeightGradSum()
+        out = _LinearSharedWeight.apply(x, module.weight, total, owner)
+        if owner:
+            total.owner = weakref.ref(out.grad_fn)
+        return out
+
+    def __enter__(self):
+        for m in self.layers:
+            m.forward = functools.partial(self._call, m)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m.__dict__.pop("forward", None)
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -779,6 +921,9 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
     # fewer FLOPs than per-row padding (`_flat_is_cheaper`), "flat", or "per_row". The same values up to float rounding
     # (tests compare the two).
     deeper_packing = "auto"
+    # Sum the per-depth gradients of the shared weights inside the products (`_LinearSharedWeight`); False:
+    # nn.Linear's own backward. The same values up to float rounding (tests compare the two).
+    weight_grads_in_place = True
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
@@ -839,8 +984,23 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             return self.decider(embeds, hidden, logits)
         return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
 
+    def _reads_topk_in_training(self) -> bool:
+        """The learned decider runs as it is (not replaced on the instance, as analysis and tests do), so the training
+        read-out can hand it the top-k probabilities it computes with log q(m)[y]."""
+        return self.config.decider == "learned" and "_continue_logit" not in self.__dict__
+
     def _needs_logits_for_decisions(self) -> bool:
         return self.config.decider == "learned" or self.config.updater == "topk_embedding"
+
+    def _weight_grads_in_place(self, max_iterations: int, device) -> _SharedWeightLinears:
+        """The per-depth weight gradients of a looped forward are summed inside the products (`_LinearSharedWeight`);
+        off under activation checkpointing (its recompute runs the plain layers), autocast (the saved inputs would not
+        match the autocast product's dtype), torch.compile (it traces the plain layers) and
+        `weight_grads_in_place = False`."""
+        enabled = (self.weight_grads_in_place and max_iterations > 1 and torch.is_grad_enabled()
+                   and not self.model.gradient_checkpointing and not torch.is_autocast_enabled(device.type)
+                   and not torch.compiler.is_compiling())
+        return _SharedWeightLinears(self.modules(), enabled)
 
     def _unused_parameter_anchor(self) -> torch.Tensor:
         """0 · Σ p over the trainable updater/decider parameters, added to the training loss *inside* forward.
@@ -995,10 +1155,18 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             z_kept = (z_flat if run.all_kept else z_flat[kept]) if run.full_logits else None
         else:
             z_flat, z_kept = None, self.lm_head(h_flat if run.all_kept else h_flat[kept])
+        logp_target, top = None, None
+        if run.targets is not None:
+            y = run.targets.clamp(min=0)[fb, ft]
+            if not last and self._reads_topk_in_training():  # one pass over the logits for both read-outs
+                logp_target, top = target_log_prob_and_topk(z_flat, y, min(self.decider.topk, z_flat.shape[-1]))
+            else:
+                logp_target = target_log_prob(z_flat, y)
         if last:
             logit, g, cont = None, torch.zeros(fb.shape, device=h.device), torch.zeros_like(fb, dtype=torch.bool)
         else:
-            logit = self._continue_logit(e_flat, h_flat, z_flat)
+            logit = self._continue_logit(e_flat, h_flat, z_flat) if top is None else self.decider(e_flat, h_flat, z_flat,
+                                                                                                top_probs=top)
             g = torch.sigmoid(logit)
             if self.config.decider == "exit_gate":  # every depth runs; `QExit` picks each token's output depth
                 cont = torch.ones_like(fb, dtype=torch.bool)
@@ -1010,7 +1178,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             cont = cont & run.valid[fb, ft]
         step = DepthStep(depth=depth, last=last, batch_index=fb, time_index=ft, slots=sel, hidden=h_flat,
                          embeds=e_flat, logits=z_flat, kept=kept, kept_logits=z_kept, continue_logit=logit,
-                         continue_prob=g, cont=cont)
+                         continue_prob=g, cont=cont, target_logprob=logp_target)
         if qexit is not None:  # Ouro Stage II: the output depth of each token follows the cumulative exit probability
             step.emit = qexit.emit(step)
             if not last:
@@ -1073,7 +1241,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
         emit = step.emit if step.emit is not None else torch.ones_like(step.kept)
         logp_target = None
         if run.targets is not None:
-            logp_target = target_log_prob(step.logits, run.targets.clamp(min=0)[index])
+            logp_target = step.target_logprob
             if recorder is not None:
                 recorder.add(step, logp_target)
         if step.kept_logits is not None and run.all_kept and step.emit is None:  # no boolean indexing (no host sync)
@@ -1203,23 +1371,24 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
         trace = _DepthTrace(run, want_hidden=collect is not None and collect.want_hidden)
         qexit = QExit(run.valid, run.exit_threshold) if self.config.decider == "exit_gate" else None
         x, pack, copy_previous, raw_logits = run.embeds, _Packing.everything(run.valid), None, None
-        for depth in range(1, M + 1):
-            h = self._backbone_pass(run, depth, x, pack, collect, copy_previous)
-            if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
-                raw_logits = self.lm_head(h[:, run.keep])
-                trace.add_full_pass(h)
-                break
-            step = self._depth_step(run, depth, h, pack, qexit)
-            trace.add(step, h)
-            self._accumulate(run, step, mixture, recorder)
-            if step.last:
-                break
-            if qexit is not None and self.config.exit_kv_fill == "copy_last":
-                copy_previous = qexit.exited()
-            x, pack = self._advance(run, step, x, pack)
-            if not _any_on_any_rank(pack is not None, run.synchronise):
-                break
-            pack = pack or _Packing.placeholder(B, device, T if run.streams.flat else 0)
+        with self._weight_grads_in_place(M, device):
+            for depth in range(1, M + 1):
+                h = self._backbone_pass(run, depth, x, pack, collect, copy_previous)
+                if M == 1:  # Standard: Qwen3's raw logits, padding positions included, bit-exact
+                    raw_logits = self.lm_head(h[:, run.keep])
+                    trace.add_full_pass(h)
+                    break
+                step = self._depth_step(run, depth, h, pack, qexit)
+                trace.add(step, h)
+                self._accumulate(run, step, mixture, recorder)
+                if step.last:
+                    break
+                if qexit is not None and self.config.exit_kv_fill == "copy_last":
+                    copy_previous = qexit.exited()
+                x, pack = self._advance(run, step, x, pack)
+                if not _any_on_any_rank(pack is not None, run.synchronise):
+                    break
+                pack = pack or _Packing.placeholder(B, device, T if run.streams.flat else 0)
         iter_counts = trace.iter_counts * run.valid  # one-token calls list padding rows at depth 1
         run.streams.commit(iter_counts)
 
