@@ -50,7 +50,8 @@ def markdown(rows: list[Row], meta: dict) -> str:
     head = (f"{meta['device']}, {meta['dtype']}, {meta['threads']} threads, torch {meta['torch']}, transformers "
             f"{meta['transformers']}; sizes {sizes}; decode prompt {w['prompt']} + {w['new']} new tokens, training "
             f"batch {w['train_batch']} × {w['train_seq']}, SpiralFormer L = {w['spiral_seq']}; best of "
-            f"{w['repeats']} interleaved repeats after one warm-up" + (" (--quick)" if meta["quick"] else "")
+            f"{w['repeats']} interleaved repeats after one warm-up (the TaH2 SFT rows: the steps their note says)"
+            + (" (--quick)" if meta["quick"] else "")
             + f"; clock {meta.get('clock', 'wall')}; load average {meta.get('load_avg_start', ['?'])[0]} at the start"
             + (f", {meta['load_avg_end'][0]} at the end" if "load_avg_end" in meta else ""))
     lines = [head, "", "| row | size | goal | measured | met? | note |", "|---|---|---|---|---|---|"]

@@ -90,12 +90,24 @@ def calibrate_sft_tau(model, ids: torch.Tensor, rate: float) -> float:
     return float(torch.quantile(g[~torch.isnan(g)].cpu(), 1.0 - rate).clamp(1e-6, 1 - 1e-6))
 
 
+# Steps run before timing: a training run's steady state. TaH2's step allocates tensors whose sizes differ by depth;
+# the allocator serves them without fresh pages only after ~5 steps (page faults per step 98k → 32k), Standard's
+# after one (measured with `python -m bench.profile_sft`).
+SFT_WARMUP_STEPS = 5
+
+
+def _steps(fn, n: int) -> None:
+    for _ in range(n):
+        fn()
+
+
 def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
     paper = ctx.wants("tah2-d1.23-sft")
     runs, attn = sft_models_and_step(size, ctx, paper_depth=paper)
     seconds: dict[str, list[float]] = {}
     best = interleaved_best({k: functools.partial(timed, ctx.device, fn) for k, fn in runs.items()},
-                            ctx.workload.repeats, all_seconds=seconds)
+                            ctx.workload.repeats, all_seconds=seconds,
+                            warmups={k: functools.partial(_steps, fn, SFT_WARMUP_STEPS) for k, fn in runs.items()})
     spreads = ", ".join(f"{k} {spread(v):.0%}" for k, v in seconds.items())
     rows = []
     for key, row_id in (("tah2", "tah2-sft"), ("tah2-d1.23", "tah2-d1.23-sft")):
@@ -107,7 +119,7 @@ def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
         if key == "tah2":
             rows.append(Row(row_id, "TaH2 SFT step ÷ Standard SFT step (M = 2, lookahead)", size.name,
                             f"≤ 1.9× and ≤ d̄ + 0.4 = {d + 0.4:.2f}", ratio, judged(ratio <= min(1.9, d + 0.4)),
-                            note=f"d̄ {d:.2f}; {_shape(ctx)}; {attn}; spread between repeats: {spreads}",
+                            note=f"d̄ {d:.2f}; {_shape(ctx)}; {attn}; {SFT_WARMUP_STEPS} warm-up steps; spread between repeats: {spreads}",
                             extra=extra))
         else:
             rows.append(Row(row_id, "TaH2 SFT step ÷ Standard at the paper's realised depth (M = 2, lookahead; extra)",
