@@ -24,7 +24,6 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from hf_loops.modeling.configuration_tah2 import TaH2Config
 from hf_loops.modeling.modeling_tah2 import TaH2Decider, TaH2Updater
@@ -172,65 +171,127 @@ class DeepPlan:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm (fp32 statistics, the same `weight`) on vLLM's CPU kernel: one call instead of seven ops."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        from vllm import _custom_ops as ops
+
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, self.weight, self.eps)
+        return out
+
+
+def use_kernel_norms(module: nn.Module) -> None:
+    """Swap every transformers RMSNorm inside `module` (TaH2's updater and decider, built from our HF modeling) for
+    `RMSNorm`, keeping its weight parameter (so its checkpoint name) and epsilon."""
+    for name, child in list(module.named_children()):
+        if type(child).__name__ == "Qwen3RMSNorm":
+            norm = RMSNorm(child.weight.shape[0], child.variance_epsilon)
+            norm.weight = child.weight
+            setattr(module, name, norm)
+        else:
+            use_kernel_norms(child)
+
+
+class _FusedLinear(nn.Linear):
+    """Several of the checkpoint's projections of one input stacked along the output (Qwen3's q/k/v, gate/up): one
+    matmul instead of several, as vLLM's own Qwen3 runs them; `load_checkpoint_weights` fills the shards by name."""
+
+    def __init__(self, d_in: int, shards: dict[str, int], bias: bool):
+        super().__init__(d_in, sum(shards.values()), bias=bias)
+        self.shards = shards  # checkpoint projection name → output rows, in order
+
+
 class _MLP(nn.Module):
     def __init__(self, d, d_ff):
         super().__init__()
-        self.gate_proj = nn.Linear(d, d_ff, bias=False)
-        self.up_proj = nn.Linear(d, d_ff, bias=False)
+        self.d_ff = d_ff
+        self.gate_up_proj = _FusedLinear(d, {"gate_proj": d_ff, "up_proj": d_ff}, bias=False)
         self.down_proj = nn.Linear(d_ff, d, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.d_ff, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _Qwen3Attention(nn.Module):
-    """Qwen3's attention projections and q/k norms with one vLLM `Attention` (one paged KV slot) per name in `slots`
-    (the first is `{prefix}.attn`); TaH2 and SGT subclass it and differ in how they use the slots."""
+    """Qwen3's attention projections (q/k/v fused), q/k norms and rotary embedding (vLLM's kernel) with one vLLM
+    `Attention` (one paged KV slot) per name in `slots` (the first is `{prefix}.attn`); TaH2 and SGT subclass it and
+    differ in how they use the slots."""
 
     def __init__(self, config, cache_config, prefix: str, slots: list[str]):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.layers.rotary_embedding import get_rope
 
         self.H, self.Hkv = config.num_attention_heads, config.num_key_value_heads
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
         d, bias = config.hidden_size, config.attention_bias
         self.scaling = self.D ** -0.5
-        self.q_proj = nn.Linear(d, self.H * self.D, bias=bias)
-        self.k_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
-        self.v_proj = nn.Linear(d, self.Hkv * self.D, bias=bias)
+        self.sizes = [self.H * self.D, self.Hkv * self.D, self.Hkv * self.D]
+        self.qkv_proj = _FusedLinear(d, dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes, strict=True)), bias)
         self.o_proj = nn.Linear(self.H * self.D, d, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.D, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.D, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.D, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(self.D, max_position=config.max_position_embeddings,
+                                   rope_parameters=config.rope_parameters)
         self.attn = nn.ModuleList(
             Attention(self.H, self.D, self.scaling, num_kv_heads=self.Hkv, cache_config=cache_config,
                       prefix=f"{prefix}.{name}")
             for name in ["attn", *slots])
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, positions):
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.H, self.D)).transpose(0, 1)[None]
-        k = self.k_norm(self.k_proj(x).view(n, self.Hkv, self.D)).transpose(0, 1)[None]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        v = self.v_proj(x).view(n, self.Hkv, self.D)
-        return q[0].transpose(0, 1), k[0].transpose(0, 1), v  # (n, heads, D)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = self.q_norm(q.reshape(n, self.H, self.D)).reshape(n, -1)
+        k = self.k_norm(k.reshape(n, self.Hkv, self.D)).reshape(n, -1)
+        q, k = self.rotary_emb(positions, q, k)  # in place on the CPU backend
+        return q.view(n, self.H, self.D), k.view(n, self.Hkv, self.D), v.reshape(n, self.Hkv, self.D)
 
 
 def load_checkpoint_weights(model: nn.Module, weights, arch: str, skip=lambda name: False) -> set[str]:
-    """Copy a checkpoint's tensors into `model`'s parameters by name (tied lm_head and `skip(name)` left out); an
-    unknown name is refused. vLLM's attention layers' own scale parameters are not checkpoint weights (vLLM
-    initialises them), so they count as loaded."""
+    """Copy a checkpoint's tensors into `model`'s parameters by name (tied lm_head and `skip(name)` left out; a
+    projection the backbone fuses goes into its shard of the fused parameter); an unknown name is refused, and so is
+    a fused parameter the checkpoint fills only in part. vLLM's attention layers' own scale parameters are not
+    checkpoint weights (vLLM initialises them), so they count as loaded."""
     params = dict(model.named_parameters())
+    shards, missing = {}, {}  # checkpoint name → (fused parameter name, row offset, rows); fused name → shards left
+    for path, module in model.named_modules():
+        if isinstance(module, _FusedLinear):
+            parent = path.rsplit(".", 1)[0]
+            for kind in ("weight", "bias") if module.bias is not None else ("weight",):
+                offset = 0
+                for shard, rows in module.shards.items():
+                    shards[f"{parent}.{shard}.{kind}"] = (f"{path}.{kind}", offset, rows)
+                    offset += rows
+                missing[f"{path}.{kind}"] = len(module.shards)
     loaded = set()
     for name, tensor in weights:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        if name not in params:
-            if skip(name):
-                continue
+        if name in shards:
+            fused, offset, rows = shards[name]
+            target = params[fused].narrow(0, offset, rows)
+            missing[fused] -= 1
+        elif name in params:
+            target, fused = params[name], name
+        elif skip(name):
+            continue
+        else:
             raise ValueError(f"{arch} in vLLM: unexpected weight {name!r} in the checkpoint")
         with torch.no_grad():
-            params[name].copy_(tensor.to(params[name].dtype))
-        loaded.add(name)
+            target.copy_(tensor.to(target.dtype))
+        loaded.add(fused)
+    incomplete = sorted(name for name, left in missing.items() if left and name in loaded)
+    if incomplete:
+        raise ValueError(f"{arch} in vLLM: the checkpoint fills only part of {incomplete[0]!r}")
     loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
     return loaded
 
@@ -240,8 +301,8 @@ class _SelfAttention(_Qwen3Attention):
         # one paged KV slot per (stream, layer); all share the block table of stream 0
         super().__init__(config, cache_config, prefix, [f"attn_depth{j + 1}" for j in range(1, config.max_iterations)])
 
-    def forward(self, x, cos, sin, stream: int, plan: DeepPlan | None):
-        q, k, v = self._qkv(x, cos, sin)
+    def forward(self, x, positions, stream: int, plan: DeepPlan | None):
+        q, k, v = self._qkv(x, positions)
         n = x.shape[0]
         if stream == 0:
             out = self.attn[0](q.reshape(n, -1).contiguous(), k.reshape(n, -1).contiguous(),
@@ -273,11 +334,11 @@ class _DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = _SelfAttention(config, layer_idx, cache_config, f"{prefix}.self_attn")
         self.mlp = _MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, stream, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, stream, plan)
+    def forward(self, x, positions, stream, plan):
+        x = x + self.self_attn(self.input_layernorm(x), positions, stream, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -287,13 +348,11 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(_DecoderLayer(config, i, cache_config, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def run(self, x, positions, stream, plan):
-        cos, sin = self.rotary_emb(x[None], positions[None])
         for layer in self.layers:
-            x = layer(x, cos, sin, stream, plan)
+            x = layer(x, positions, stream, plan)
         return self.norm(x)
 
 
@@ -327,6 +386,9 @@ class TaH2ForCausalLMvLLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.updater = TaH2Updater(config) if config.updater == "learned" and self.M > 1 else None
         self.decider = TaH2Decider(config) if config.decider == "learned" and self.M > 1 else None
+        for module in (self.updater, self.decider):
+            if module is not None:
+                use_kernel_norms(module)
         self.runtime = _Runtime()
         self.runtime.block_size = vllm_config.cache_config.block_size
         self.dtype = vllm_config.model_config.dtype
