@@ -476,25 +476,30 @@ class TaH2ForCausalLMvLLM(nn.Module):
 
     class _SampledRows:
         """The rows vLLM will sample in this step (each request's last scheduled token) and their per-depth
-        log-probabilities, filled as the depths run, so the LM head runs once per executed depth of a sampled row
+        log-probabilities, kept as the depths run, so the LM head runs once per executed depth of a sampled row
         (reusing the decider's logits) instead of again for every depth in `compute_logits`."""
 
         def __init__(self, meta, N: int, M: int, vocab: int, device):
             self.rows = (meta.query_start_loc[1:].to(device) - 1).long()
             self.row_pos = torch.full((N,), -1, dtype=torch.long, device=device)
             self.row_pos[self.rows] = torch.arange(self.rows.numel(), device=device)
-            # depths a row did not run keep 0 here and get log ω = −inf
-            self.logp = torch.zeros(self.rows.numel(), M, vocab, dtype=torch.float32, device=device)
+            self.depths = []  # per executed depth: (positions among the sampled rows, log-softmax of their logits)
 
         def add(self, m: int, tokens, h, z, lm_head) -> None:
             pos = self.row_pos[tokens]
             sel = (pos >= 0).nonzero().squeeze(1)
             if sel.numel():
                 z_sel = z[sel] if z is not None else lm_head(h[sel])
-                self.logp[pos[sel], m - 1] = torch.log_softmax(z_sel.float(), dim=-1)
+                self.depths.append((m, pos[sel], torch.log_softmax(z_sel.float(), dim=-1)))
 
         def mixture(self, log_w):
-            log_q = torch.logsumexp(log_w[self.rows][..., None] + self.logp, dim=1)
+            """log q = logsumexp over executed depths of log ω + log p, one depth at a time (every sampled row ran
+            depth 1, the deeper depths a subset)."""
+            w = log_w[self.rows]
+            (_, _, log_q), *deeper = self.depths
+            log_q = log_q + w[:, :1]
+            for m, pos, logp in deeper:
+                log_q[pos] = torch.logaddexp(log_q[pos], logp + w[pos, m - 1: m])
             return self.row_pos, log_q
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
