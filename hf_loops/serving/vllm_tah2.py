@@ -256,6 +256,17 @@ class _Qwen3Attention(nn.Module):
         return q.view(n, self.H, self.D), k.view(n, self.Hkv, self.D), v.reshape(n, self.Hkv, self.D)
 
 
+def transpose_linear_weights(model: nn.Module) -> None:
+    """Store every float32 linear weight column-major (the same (out, in) parameter, strides (1, out)): torch's CPU
+    GEMM then multiplies without transposing the weight, which at decode batch sizes is much faster (single thread,
+    best of 200, µs row-major / column-major: LM head 256 → 8192 at 8 rows 944 / 447, gate/up 256 → 1536 at 8 rows
+    64 / 48, at 512 rows 2295 / 2419). A weight tied to the embedding stays row-major (its row lookups would slow)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and id(module.weight) not in embeddings:
+            module.weight.data = module.weight.data.t().contiguous().t()
+
+
 def load_checkpoint_weights(model: nn.Module, weights, arch: str, skip=lambda name: False) -> set[str]:
     """Copy a checkpoint's tensors into `model`'s parameters by name (tied lm_head and `skip(name)` left out; a
     projection the backbone fuses goes into its shard of the fused parameter); an unknown name is refused, and so is
@@ -292,6 +303,7 @@ def load_checkpoint_weights(model: nn.Module, weights, arch: str, skip=lambda na
     incomplete = sorted(name for name, left in missing.items() if left and name in loaded)
     if incomplete:
         raise ValueError(f"{arch} in vLLM: the checkpoint fills only part of {incomplete[0]!r}")
+    transpose_linear_weights(model)
     loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
     return loaded
 
