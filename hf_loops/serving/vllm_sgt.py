@@ -26,7 +26,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hf_loops.modeling.configuration_sgt import SGTConfig
-from hf_loops.serving.vllm_tah2 import _MLP, RMSNorm, _Qwen3Attention, check_engine, load_checkpoint_weights
+from hf_loops.serving.vllm_tah2 import (
+    _MLP,
+    Linear,
+    RMSNorm,
+    _Qwen3Attention,
+    check_engine,
+    load_checkpoint_weights,
+    use_cpu_gemm,
+)
 
 __all__ = ["SGTConfig", "SGTForCausalLMvLLM", "loop_passes"]
 
@@ -122,7 +130,7 @@ class SGTForCausalLMvLLM(nn.Module):
         check_engine(vllm_config, "SGT")
         self.config = config
         self.model = _SGTBackbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -137,4 +145,7 @@ class SGTForCausalLMvLLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint_weights(self, weights, "SGT")
+        loaded = load_checkpoint_weights(self, weights, "SGT")
+        # a head loop multiplies by column slices of W_O: those layers keep the unpacked weight
+        use_cpu_gemm(self, keep_weight={layer.self_attn.o_proj for layer in self.model.layers if layer.heads})
+        return loaded
