@@ -4,7 +4,10 @@ Run in the vLLM venv (`make test-vllm` creates it); the models are built, and ou
 project's own Python:
 
     HF_LOOPS_REFERENCE_PYTHON=.venv/bin/python .venv-vllm/bin/python bench/vllm_serving.py \
-        [--batches 1,8,32] [--new 16] [--rounds 5] [--threads 1] [--out bench/results]
+        [--sizes small,100m] [--batches 1,8,32] [--new 16] [--rounds 5] [--threads 1] [--out bench/results]
+
+Sizes (vocabulary 8,192: the embedded base's tokenizer): `small` = hidden 256 × 4 layers (per-op overhead dominates
+a decode step), `100m` = hidden 1024 × 8 layers, FFN 3072 (the HF bench's 100m backbone: matmuls dominate).
 
 Workload per batch size B: B requests added together, 64-token random prompts, `--new` new tokens each (greedy, EOS
 ignored), float32, eager, one engine in this process per model. The first engine step prefills every prompt and
@@ -13,8 +16,10 @@ Timing: wall clock of each engine step, `--rounds` rounds that alternate the two
 between batch sizes), best round per model; `--threads` CPU threads for both engines and for HF (default 1: on a
 shared machine vLLM's multi-threaded CPU kernels wait for a busy core at every call, which swamps the comparison).
 
-Per row: decode tokens/s of TaH2 ÷ Qwen3 against the FLOPs bound (Qwen3's decode FLOPs ÷ TaH2's for the realised
-per-token depths, `hf_loops.core.flops_tah2`: what the ratio would be if time followed FLOPs), the same ratio over the
+Per row: decode tokens/s of TaH2 ÷ Qwen3 against two bounds: the FLOPs bound (Qwen3's decode FLOPs ÷ TaH2's for the
+realised per-token depths, `hf_loops.core.flops_tah2`: what the ratio would be if time followed FLOPs) and the pass
+bound (decode steps ÷ backbone passes TaH2 ran in them: what it would be if every pass cost a full read of the
+weights, however few tokens it carries, as for decode batches on a CPU); the same ratio over the
 whole call (prefill included: TaH2 also runs the decider, hence the LM head, on every prompt token, and its prompt
 tokens iterate too; no bound given), the realised mean depth of the generated tokens (depth-statistics connector), vLLM
 TaH2 ÷ our HF TaH2 `generate` (decode, and whole call: same batch, same tokens, same threads), and the KV bytes vLLM
@@ -22,6 +27,7 @@ reserves per token for each model. Writes `<out>/cpu-vllm.json` and `<out>/cpu-v
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -33,8 +39,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-QWEN = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64)
+SIZES = {
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    "100m": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64),
+}
 PROMPT = 64
 STATS = {"kv_connector": "DepthStatsConnector", "kv_role": "kv_both",
          "kv_connector_module_path": "hf_loops.serving.vllm_stats"}
@@ -50,9 +60,9 @@ def reference_env():
     return env
 
 
-def build(root):
+def build(root, qwen):
     # decider score weights N(0, 2/√d) as in the HF bench rows: g spreads over (0, 1)
-    spec = {"bench": {"seed": 0, "qwen": QWEN, "tah2": {"max_iterations": 2}, "decider_std": 2 / QWEN["hidden_size"] ** 0.5,
+    spec = {"bench": {"seed": 0, "qwen": qwen, "tah2": {"max_iterations": 2}, "decider_std": 2 / qwen["hidden_size"] ** 0.5,
                       "save_base": True, "prompts": [], "max_new_tokens": 1}}
     with open(os.path.join(root, "specs.json"), "w") as f:
         json.dump(spec, f)
@@ -107,9 +117,9 @@ def flops_bound(config, stats: list[dict]) -> float:
     return total_std / total_tah2
 
 
-def engine_round(llm, prompts, params) -> tuple[float, float, list]:
+def engine_round(llm, prompts, params, looped: bool) -> tuple[float, float, list, dict | None]:
     """One batch through the engine: seconds of the first step (prefill + first tokens), seconds of the decode steps,
-    and the finished outputs."""
+    the finished outputs, and (TaH2) the model's engine-wide depth statistics of the decode steps."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -120,15 +130,53 @@ def engine_round(llm, prompts, params) -> tuple[float, float, list]:
     t = time.perf_counter()
     done += [o for o in engine.step() if o.finished]
     first = time.perf_counter() - t
+    if looped:
+        llm.apply_model(lambda model: model.depth_statistics(reset=True))
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     decode = time.perf_counter() - t
-    return first, decode, sorted(done, key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+    steps = llm.apply_model(lambda model: model.depth_statistics())[0] if looped else None
+    return first, decode, sorted(done, key=lambda o: int(o.request_id.rsplit("-", 1)[1])), steps
+
+
+def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
+    B, new = len(prompts), params.max_tokens
+    for name, llm in llms.items():  # warm-up
+        engine_round(llm, prompts, params, name == "tah2")
+    first = {name: float("inf") for name in llms}
+    decode = dict(first)
+    for _ in range(args.rounds):
+        for name, llm in llms.items():
+            f, d, outs, engine_stats = engine_round(llm, prompts, params, name == "tah2")
+            first[name], decode[name] = min(first[name], f), min(decode[name], d)
+            if name == "tah2":
+                stats = [o.kv_transfer_params["depth_statistics"] for o in outs]
+                steps = engine_stats["steps_per_depth"]
+    hf_total, hf_first = hf_generate_seconds(dirs["tah2"], prompts, new, args.rounds, root)
+    decode_tokens, total_tokens = B * (new - 1), B * new
+    tps = {name: decode_tokens / decode[name] for name in llms}
+    total_tps = {name: total_tokens / (first[name] + decode[name]) for name in llms}
+    counts = [sum(s["output"]["tokens_per_depth"][m] for s in stats) for m in range(2)]
+    return {
+        "batch": B, "decode_tokens_per_s": tps, "ratio": tps["tah2"] / tps["qwen3"],
+        "flops_bound": flops_bound(config, stats),
+        # Qwen3 reads all weights once per decode step, TaH2 once per depth it runs in the step
+        "pass_bound": steps[0] / sum(steps), "decode_steps_per_depth": steps,
+        "whole_call_tokens_per_s": total_tps, "whole_call_ratio": total_tps["tah2"] / total_tps["qwen3"],
+        "mean_depth": sum(counts) / counts[0],
+        "prompt_mean_depth": sum(s["prompt"]["mean_depth"] for s in stats) / len(stats),
+        "hf_generate": {"decode_tokens_per_s": decode_tokens / (hf_total - hf_first),
+                        "whole_call_tokens_per_s": total_tokens / hf_total},
+        "vs_hf_generate": tps["tah2"] * (hf_total - hf_first) / decode_tokens,
+        "whole_call_vs_hf_generate": total_tps["tah2"] * hf_total / total_tokens,
+        "seconds": {"first_step": first, "decode": decode, "hf_total": hf_total, "hf_first": hf_first},
+        "kv_bytes_per_token": kv, "load_average": os.getloadavg()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="small", help="comma-separated: small, 100m")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
@@ -150,46 +198,23 @@ def main(argv=None):
     all_prompts = [[rng.randrange(3, 8000) for _ in range(PROMPT)] for _ in range(max(batches))]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     rows, loads = [], {"start": os.getloadavg()}
-    with tempfile.TemporaryDirectory() as root:
-        dirs = dict(zip(("qwen3", "tah2"), build(root), strict=True))
-        config = AutoConfig.from_pretrained(dirs["tah2"])
-        # (Qwen3 gets the connector too: vLLM's KV transfer group is per process; for Qwen3 it returns nothing)
-        llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256,
-                               max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * PROMPT),
-                               enable_prefix_caching=False, seed=0, kv_transfer_config=STATS)
-                for name, d in dirs.items()}
-        kv = {name: llm.apply_model(kv_bytes_per_token)[0] for name, llm in llms.items()}
-        for B in batches:
-            prompts = all_prompts[:B]
-            for llm in llms.values():  # warm-up
-                engine_round(llm, prompts, params)
-            first = {name: float("inf") for name in llms}
-            decode = dict(first)
-            for _ in range(args.rounds):
-                for name, llm in llms.items():
-                    f, d, outs = engine_round(llm, prompts, params)
-                    first[name], decode[name] = min(first[name], f), min(decode[name], d)
-                    if name == "tah2":
-                        stats = [o.kv_transfer_params["depth_statistics"] for o in outs]
-            hf_total, hf_first = hf_generate_seconds(dirs["tah2"], prompts, args.new, args.rounds, root)
-            decode_tokens, total_tokens = B * (args.new - 1), B * args.new
-            tps = {name: decode_tokens / decode[name] for name in llms}
-            total_tps = {name: total_tokens / (first[name] + decode[name]) for name in llms}
-            counts = [sum(s["output"]["tokens_per_depth"][m] for s in stats) for m in range(2)]
-            rows.append({
-                "row": f"vllm-tah2-b{B}", "batch": B,
-                "decode_tokens_per_s": tps, "ratio": tps["tah2"] / tps["qwen3"],
-                "flops_bound": flops_bound(config, stats),
-                "whole_call_tokens_per_s": total_tps, "whole_call_ratio": total_tps["tah2"] / total_tps["qwen3"],
-                "mean_depth": sum(counts) / counts[0],
-                "prompt_mean_depth": sum(s["prompt"]["mean_depth"] for s in stats) / len(stats),
-                "hf_generate": {"decode_tokens_per_s": decode_tokens / (hf_total - hf_first),
-                                "whole_call_tokens_per_s": total_tokens / hf_total},
-                "vs_hf_generate": tps["tah2"] * (hf_total - hf_first) / decode_tokens,
-                "whole_call_vs_hf_generate": total_tps["tah2"] * hf_total / total_tokens,
-                "seconds": {"first_step": first, "decode": decode, "hf_total": hf_total, "hf_first": hf_first},
-                "kv_bytes_per_token": kv, "load_average": os.getloadavg()})
-            print(json.dumps(rows[-1]), flush=True)
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as root:
+            dirs = dict(zip(("qwen3", "tah2"), build(root, SIZES[size]), strict=True))
+            config = AutoConfig.from_pretrained(dirs["tah2"])
+            # (Qwen3 gets the connector too: vLLM's KV transfer group is per process; for Qwen3 it returns nothing)
+            llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256,
+                                   max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * PROMPT),
+                                   enable_prefix_caching=False, seed=0, kv_transfer_config=STATS)
+                    for name, d in dirs.items()}
+            kv = {name: llm.apply_model(kv_bytes_per_token)[0] for name, llm in llms.items()}
+            for B in batches:
+                rows.append(measure(llms, dirs, config, all_prompts[:B], params, args, root, kv))
+                rows[-1]["row"] = f"vllm-tah2-b{B}" if size == "small" else f"vllm-tah2-{size}-b{B}"
+                rows[-1]["size"] = size
+                print(json.dumps(rows[-1]), flush=True)
+            del llms
+            gc.collect()
     loads["end"] = os.getloadavg()
     write(rows, args, loads, vllm.__version__)
 
@@ -199,18 +224,20 @@ def write(rows, args, loads, vllm_version):
 
     settings = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "vllm": vllm_version,
                 "torch": torch.__version__, "threads": args.threads, "cpu_count": os.cpu_count(),
-                "load_average": loads, "machine": platform.machine(), "model": {**QWEN, "max_iterations": 2},
+                "load_average": loads, "machine": platform.machine(),
+                "models": {size: {**SIZES[size], "vocab_size": 8192, "max_iterations": 2} for size in args.sizes.split(",")},
                 "workload": {"prompt": PROMPT, "new_tokens": args.new, "rounds": args.rounds}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cpu-vllm.json"), "w") as f:
         json.dump({"settings": settings, "rows": rows}, f, indent=1)
     lines = ["| id | decode TaH2 ÷ Qwen3 in vLLM | TaH2 / Qwen3 decode tokens/s | mean depth | FLOPs bound | "
-             "whole call TaH2 ÷ Qwen3 | vLLM TaH2 ÷ HF generate, decode / whole call | KV bytes/token TaH2 / Qwen3 | "
-             "load |", "|---|---|---|---|---|---|---|---|---|"]
+             "pass bound | whole call TaH2 ÷ Qwen3 | vLLM TaH2 ÷ HF generate, decode / whole call | "
+             "KV bytes/token TaH2 / Qwen3 | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, hf = r["decode_tokens_per_s"], r["hf_generate"]
         lines.append(f"| {r['row']} | {r['ratio']:.2f}× | {t['tah2']:.0f} / {t['qwen3']:.0f} | {r['mean_depth']:.2f} | "
-                     f"{r['flops_bound']:.2f}× | {r['whole_call_ratio']:.2f}× | {r['vs_hf_generate']:.2f}× / "
+                     f"{r['flops_bound']:.2f}× | {r['pass_bound']:.2f}× | {r['whole_call_ratio']:.2f}× | "
+                     f"{r['vs_hf_generate']:.2f}× / "
                      f"{r['whole_call_vs_hf_generate']:.2f}× (HF {hf['decode_tokens_per_s']:.0f} / "
                      f"{hf['whole_call_tokens_per_s']:.0f} tokens/s) | {r['kv_bytes_per_token']['tah2']} / "
                      f"{r['kv_bytes_per_token']['qwen3']} | {r['load_average'][0]:.1f} |")

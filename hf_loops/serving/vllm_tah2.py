@@ -422,6 +422,8 @@ class TaH2ForCausalLMvLLM(nn.Module):
         self.dtype = vllm_config.model_config.dtype
         # tokens run at each depth since the last reset (real steps only): mean depth and continue rates
         self.depth_counts = torch.zeros(self.M, dtype=torch.long)
+        # engine steps that ran depth m (each such step runs the backbone once more: all weights read again)
+        self.step_counts = [0] * self.M
         # per request, returned with the finished request by the depth-statistics connector (when it is configured)
         self.request_statistics = vllm_stats.enabled(vllm_config)
         self._runner = None
@@ -445,6 +447,7 @@ class TaH2ForCausalLMvLLM(nn.Module):
             real = meta.num_actual_tokens  # the rest is padding: it never runs deeper
             self.runtime.marker[meta.slot_mapping[:real]] = 1
             self.depth_counts[0] += real
+            self.step_counts[0] += 1
             sampled = self._SampledRows(meta, N, M, self.config.vocab_size, e.device)
         tokens = torch.arange(N, device=e.device)
         remaining = torch.ones(N, dtype=torch.float32, device=e.device)  # R = Π g of earlier depths
@@ -473,6 +476,7 @@ class TaH2ForCausalLMvLLM(nn.Module):
             if meta is not None:
                 self.runtime.marker[meta.slot_mapping[tokens]] = m + 1
                 self.depth_counts[m] += tokens.numel()
+                self.step_counts[m] += 1
                 plan = DeepPlan(self.config.iteration_attention, m, tokens, positions, meta, self.runtime.marker,
                                 self.runtime.layout, self.runtime.block_numel)
             h = self.model.run(x, positions[tokens], m, plan)
@@ -538,14 +542,17 @@ class TaH2ForCausalLMvLLM(nn.Module):
         return loaded
 
     def depth_statistics(self, reset: bool = False) -> dict:
-        """Tokens run at each depth since the last reset, their mean executed depth and the continue rate after each
-        depth (read in-process with `LLM.apply_model(lambda m: m.depth_statistics())`)."""
+        """Tokens run at each depth since the last reset, their mean executed depth, the continue rate after each
+        depth, and the engine steps that ran each depth (read in-process with `LLM.apply_model(lambda m:
+        m.depth_statistics())`)."""
         counts = self.depth_counts.tolist()
         stats = {"tokens_per_depth": counts,
                  "mean_depth": sum(counts) / counts[0] if counts[0] else 0.0,
-                 "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:], strict=False)]}
+                 "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:], strict=False)],
+                 "steps_per_depth": list(self.step_counts)}
         if reset:
             self.depth_counts.zero_()
+            self.step_counts = [0] * self.M
         return stats
 
     # -- the pieces ------------------------------------------------------------------------------------------------------
