@@ -23,15 +23,17 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: the negative control patches it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# One thread everywhere (this process's engine, the server's processes, the reference side): the models are tiny,
-# and the reference side runs while the engines do. With two threads per process on a busy 2-core machine, every
-# parallel region waits for a core (the TaH2 reference side alone: 71 s at two threads, 9 s at one, load 2.5).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM keeps torch's thread count instead of binding
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
+
+# One thread everywhere (this process's engine, the server's processes, the reference side): the models are tiny,
+# and the reference side runs while the engines do. With two threads per process on a busy 2-core machine, every
+# parallel region waits for a core (the TaH2 reference side alone: 71 s at two threads, 9 s at one, load 2.5).
+# Set only where vLLM runs, so that the main suite, which collects this module too, keeps its environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM keeps torch's thread count instead of binding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
