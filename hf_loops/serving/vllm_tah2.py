@@ -9,12 +9,16 @@ How one engine step runs (vLLM hands over one flat list of N tokens that mixes p
 * A per-slot marker (`executed depth` of the token that occupies a KV slot) says which deeper entries exist, so a
   depth-m query sees exactly the set its `iteration_attention` mode allows (duo: every earlier token's states of
   depth ≤ m that were executed; causal: earlier tokens' depth 1 and its own earlier depths; same_iter: depth m
-  only). Deeper passes gather those keys/values from the paged caches and run a masked sdpa (exact, not fast).
-* `forward` returns, per token, its hidden states of every depth and the log-weights of the stopping-weighted
-  mixture; `compute_logits` turns the sampled rows into the mixture's log-probabilities log q, which vLLM samples.
+  only). A deeper pass plans once per step (`DeepPlan`: per request the key slots, the mask, the flat cache offsets)
+  and every layer gathers those keys/values from the paged caches and runs a masked sdpa (no paged kernel takes
+  the mask).
+* `forward` keeps the per-depth log-probabilities of the rows vLLM samples (the decider's LM head output reused) and
+  returns, per token, its hidden states of every depth, the log-weights of the stopping-weighted mixture and its row
+  index; `compute_logits` returns the mixture's log-probabilities log q of the sampled rows, which vLLM samples.
 
 Only the TaH2 configuration and its updater/decider modules are imported from hf_loops (they import under the
-transformers version vLLM pins); the backbone is written here on plain torch layers with Qwen3's weight names.
+transformers version vLLM pins); the backbone is written here with Qwen3's weight names, on vLLM's CPU kernels as
+vLLM's own Qwen3 (fused q/k/v and gate/up projections on its GEMM, its rotary and RMSNorm kernels).
 """
 
 from __future__ import annotations
