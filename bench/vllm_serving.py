@@ -3,19 +3,31 @@
 Run in the vLLM venv (`make test-vllm` creates it); the models are built, and our HF `generate` is timed, by the
 project's own Python:
 
-    HF_LOOPS_REFERENCE_PYTHON=.venv/bin/python VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/vllm_serving.py \
-        [--batches 1,8,32] [--new 32] [--repeats 2] [--out bench/results]
+    HF_LOOPS_REFERENCE_PYTHON=.venv/bin/python .venv-vllm/bin/python bench/vllm_serving.py \
+        [--sizes small,100m] [--batches 1,8,32] [--new 16] [--rounds 5] [--threads 1] [--out bench/results]
 
-Workload per batch size B: B requests submitted together, 64-token random prompts, `--new` new tokens each (greedy,
-EOS ignored), float32, eager; one warm-up, then best of `--repeats` `generate` calls per model, interleaved. tokens/s
-counts the generated tokens over the whole call (prefill included). Per row: the ratio TaH2 ÷ Qwen3 in vLLM, the
-realised mean depth (per request, from the depth-statistics connector), the FLOPs bound (Qwen3's decode FLOPs ÷
-TaH2's for the realised depths, `hf_loops.core.flops_tah2`: what the ratio would be if time followed FLOPs), vLLM
-TaH2 ÷ our HF TaH2 `generate` (same batch, same tokens), and the KV bytes vLLM reserves per token for each model.
-Writes `<out>/cpu-vllm.json` and `<out>/cpu-vllm.md` and prints the table.
+Sizes (vocabulary 8,192: the embedded base's tokenizer): `small` = hidden 256 × 4 layers (per-op overhead dominates
+a decode step), `100m` = hidden 1024 × 8 layers, FFN 3072 (the HF bench's 100m backbone: matmuls dominate).
+
+Workload per batch size B: B requests added together, 64-token random prompts, `--new` new tokens each (greedy, EOS
+ignored), float32, eager, one engine in this process per model. The first engine step prefills every prompt and
+samples the first tokens (the token budget holds all prompts); the remaining `--new` − 1 steps are the decode.
+Timing: wall clock of each engine step, `--rounds` rounds that alternate the two models (and our HF `generate`
+between batch sizes), best round per model; `--threads` CPU threads for both engines and for HF (default 1: on a
+shared machine vLLM's multi-threaded CPU kernels wait for a busy core at every call, which swamps the comparison).
+
+Per row: decode tokens/s of TaH2 ÷ Qwen3 against two bounds: the FLOPs bound (Qwen3's decode FLOPs ÷ TaH2's for the
+realised per-token depths, `hf_loops.core.flops_tah2`: what the ratio would be if time followed FLOPs) and the pass
+bound (decode steps ÷ backbone passes TaH2 ran in them: what it would be if every pass cost a full read of the
+weights, however few tokens it carries, as for decode batches on a CPU); the same ratio over the
+whole call (prefill included: TaH2 also runs the decider, hence the LM head, on every prompt token, and its prompt
+tokens iterate too; no bound given), the realised mean depth of the generated tokens (depth-statistics connector), vLLM
+TaH2 ÷ our HF TaH2 `generate` (decode, and whole call: same batch, same tokens, same threads), and the KV bytes vLLM
+reserves per token for each model. Writes `<out>/cpu-vllm.json` and `<out>/cpu-vllm.md` and prints the table.
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -25,12 +37,14 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-QWEN = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64)
+SIZES = {
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    "100m": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64),
+}
 PROMPT = 64
 STATS = {"kv_connector": "DepthStatsConnector", "kv_role": "kv_both",
          "kv_connector_module_path": "hf_loops.serving.vllm_stats"}
@@ -46,9 +60,9 @@ def reference_env():
     return env
 
 
-def build(root):
+def build(root, qwen):
     # decider score weights N(0, 2/√d) as in the HF bench rows: g spreads over (0, 1)
-    spec = {"bench": {"seed": 0, "qwen": QWEN, "tah2": {"max_iterations": 2}, "decider_std": 2 / QWEN["hidden_size"] ** 0.5,
+    spec = {"bench": {"seed": 0, "qwen": qwen, "tah2": {"max_iterations": 2}, "decider_std": 2 / qwen["hidden_size"] ** 0.5,
                       "save_base": True, "prompts": [], "max_new_tokens": 1}}
     with open(os.path.join(root, "specs.json"), "w") as f:
         json.dump(spec, f)
@@ -57,15 +71,17 @@ def build(root):
     return os.path.join(root, "bench", "base"), os.path.join(root, "bench", "model")
 
 
-def hf_generate_seconds(model_dir, prompts, new, repeats, root):
-    """Best-of-`repeats` seconds of our HF `generate` (greedy, batch = all prompts, equal lengths), in .venv."""
+def hf_generate_seconds(model_dir, prompts, new, rounds, root) -> tuple[float, float]:
+    """Best seconds of our HF `generate` (greedy, batch = all prompts, equal lengths) for `new` tokens and for one
+    token (the prefill), in the project's Python."""
     path = os.path.join(root, "hf_prompts.json")
     with open(path, "w") as f:
         json.dump(prompts, f)
     out = subprocess.run([reference_python(), os.path.join(REPO, "tests", "serving", "vllm_reference.py"), "--time",
-                          model_dir, path, str(new), str(repeats)], check=True, env=reference_env(),
+                          model_dir, path, str(new), str(rounds)], check=True, env=reference_env(),
                          capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    total, first = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
+    return total, first
 
 
 def kv_bytes_per_token(model) -> int:
@@ -83,47 +99,97 @@ def kv_bytes_per_token(model) -> int:
     return total
 
 
-def flops_bound(config, stats: list[dict], new: int) -> float:
-    """Qwen3 decode FLOPs ÷ TaH2's for the realised per-request depth counts (depth lists rebuilt from the counts)."""
-    from hf_loops.core.flops_tah2 import decode_flops_standard, decode_flops_tah2
+def depth_list(counts):
+    """Per-token depths rebuilt from tokens-per-depth counts (tokens that reached depth m+1)."""
+    reached = counts + [0]
+    return [m + 1 for m in range(len(counts)) for _ in range(reached[m] - reached[m + 1])]
 
-    def depths(counts):
-        reached = counts + [0]
-        return [m + 1 for m in range(len(counts)) for _ in range(reached[m] - reached[m + 1])]
+
+def flops_bound(config, stats: list[dict]) -> float:
+    """Qwen3 decode FLOPs ÷ TaH2's for the realised per-request depth counts of the generated tokens fed back."""
+    from hf_loops.core.flops_tah2 import decode_flops_standard, decode_flops_tah2
 
     total_std = total_tah2 = 0.0
     for s in stats:
-        out = depths(s["output"]["tokens_per_depth"])
+        out = depth_list(s["output"]["tokens_per_depth"])
         total_std += decode_flops_standard(config, PROMPT, len(out))
-        total_tah2 += decode_flops_tah2(config, out, depths(s["prompt"]["tokens_per_depth"]), config.max_iterations)
+        total_tah2 += decode_flops_tah2(config, out, depth_list(s["prompt"]["tokens_per_depth"]), config.max_iterations)
     return total_std / total_tah2
 
 
-def measure(llms, prompts, params, repeats):
-    best = {name: float("inf") for name in llms}
-    for llm in llms.values():  # warm-up
-        llm.generate(prompts, params, use_tqdm=False)
-    outs = None
-    for _ in range(repeats):
+def engine_round(llm, prompts, params, looped: bool) -> tuple[float, float, list, dict | None]:
+    """One batch through the engine: seconds of the first step (prefill + first tokens), seconds of the decode steps,
+    the finished outputs, and (TaH2) the model's engine-wide depth statistics of the decode steps."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    tag = f"{time.monotonic_ns()}"
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=ids), params)
+    done = []
+    t = time.perf_counter()
+    done += [o for o in engine.step() if o.finished]
+    first = time.perf_counter() - t
+    if looped:
+        llm.apply_model(lambda model: model.depth_statistics(reset=True))
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    decode = time.perf_counter() - t
+    steps = llm.apply_model(lambda model: model.depth_statistics())[0] if looped else None
+    return first, decode, sorted(done, key=lambda o: int(o.request_id.rsplit("-", 1)[1])), steps
+
+
+def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
+    B, new = len(prompts), params.max_tokens
+    for name, llm in llms.items():  # warm-up
+        engine_round(llm, prompts, params, name == "tah2")
+    first = {name: float("inf") for name in llms}
+    decode = dict(first)
+    for _ in range(args.rounds):
         for name, llm in llms.items():
-            t = time.perf_counter()
-            result = llm.generate(prompts, params, use_tqdm=False)
-            best[name] = min(best[name], time.perf_counter() - t)
+            f, d, outs, engine_stats = engine_round(llm, prompts, params, name == "tah2")
+            first[name], decode[name] = min(first[name], f), min(decode[name], d)
             if name == "tah2":
-                outs = result
-    return best, outs
+                stats = [o.kv_transfer_params["depth_statistics"] for o in outs]
+                steps = engine_stats["steps_per_depth"]
+    hf_total, hf_first = hf_generate_seconds(dirs["tah2"], prompts, new, args.rounds, root)
+    decode_tokens, total_tokens = B * (new - 1), B * new
+    tps = {name: decode_tokens / decode[name] for name in llms}
+    total_tps = {name: total_tokens / (first[name] + decode[name]) for name in llms}
+    counts = [sum(s["output"]["tokens_per_depth"][m] for s in stats) for m in range(2)]
+    return {
+        "batch": B, "decode_tokens_per_s": tps, "ratio": tps["tah2"] / tps["qwen3"],
+        "flops_bound": flops_bound(config, stats),
+        # Qwen3 reads all weights once per decode step, TaH2 once per depth it runs in the step
+        "pass_bound": steps[0] / sum(steps), "decode_steps_per_depth": steps,
+        "whole_call_tokens_per_s": total_tps, "whole_call_ratio": total_tps["tah2"] / total_tps["qwen3"],
+        "mean_depth": sum(counts) / counts[0],
+        "prompt_mean_depth": sum(s["prompt"]["mean_depth"] for s in stats) / len(stats),
+        "hf_generate": {"decode_tokens_per_s": decode_tokens / (hf_total - hf_first),
+                        "whole_call_tokens_per_s": total_tokens / hf_total},
+        "vs_hf_generate": tps["tah2"] * (hf_total - hf_first) / decode_tokens,
+        "whole_call_vs_hf_generate": total_tps["tah2"] * hf_total / total_tokens,
+        "seconds": {"first_step": first, "decode": decode, "hf_total": hf_total, "hf_first": hf_first},
+        "kv_bytes_per_token": kv, "load_average": os.getloadavg()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="small", help="comma-separated: small, 100m")
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--new", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = p.parse_args(argv)
+    # before torch and vLLM start: one engine per model in this process, and the thread count for both and for HF
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     import vllm
     from transformers import AutoConfig
-    from vllm.inputs import TokensPrompt
 
     import hf_loops  # noqa: F401  (registers TaH2's config with AutoConfig)
 
@@ -131,50 +197,54 @@ def main(argv=None):
     rng = random.Random(0)
     all_prompts = [[rng.randrange(3, 8000) for _ in range(PROMPT)] for _ in range(max(batches))]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
-    rows, load = [], os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as root:
-        dirs = dict(zip(("qwen3", "tah2"), build(root), strict=True))
-        config = AutoConfig.from_pretrained(dirs["tah2"])
-        llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256,
-                               max_num_seqs=max(batches), enable_prefix_caching=False, seed=0,
-                               kv_transfer_config=STATS) for name, d in dirs.items()}
-        # (Qwen3 too: vLLM's KV transfer group is per process, so two engines in one process both need the
-        # connector; for Qwen3 it returns nothing)
-        kv = {name: llm.apply_model(kv_bytes_per_token)[0] for name, llm in llms.items()}
-        for B in batches:
-            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in all_prompts[:B]]
-            best, outs = measure(llms, prompts, params, args.repeats)
-            stats = [o.kv_transfer_params["depth_statistics"] for o in outs]
-            counts = [sum(s["output"]["tokens_per_depth"][m] for s in stats) for m in range(2)]
-            hf = hf_generate_seconds(dirs["tah2"], all_prompts[:B], args.new, args.repeats, root)
-            tps = {name: B * args.new / t for name, t in best.items()}
-            rows.append({"row": f"vllm-tah2-b{B}", "batch": B, "tah2_tokens_per_s": tps["tah2"],
-                         "qwen3_tokens_per_s": tps["qwen3"], "ratio": tps["tah2"] / tps["qwen3"],
-                         "mean_depth": sum(counts) / counts[0], "flops_bound": flops_bound(config, stats, args.new),
-                         "hf_generate_tokens_per_s": B * args.new / hf, "vs_hf_generate": tps["tah2"] * hf / (B * args.new),
-                         "kv_bytes_per_token": kv})
-            print(json.dumps(rows[-1]), flush=True)
-    write(rows, args, load, vllm.__version__)
+    rows, loads = [], {"start": os.getloadavg()}
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as root:
+            dirs = dict(zip(("qwen3", "tah2"), build(root, SIZES[size]), strict=True))
+            config = AutoConfig.from_pretrained(dirs["tah2"])
+            # (Qwen3 gets the connector too: vLLM's KV transfer group is per process; for Qwen3 it returns nothing)
+            llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256,
+                                   max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * PROMPT),
+                                   enable_prefix_caching=False, seed=0, kv_transfer_config=STATS)
+                    for name, d in dirs.items()}
+            kv = {name: llm.apply_model(kv_bytes_per_token)[0] for name, llm in llms.items()}
+            for B in batches:
+                rows.append(measure(llms, dirs, config, all_prompts[:B], params, args, root, kv))
+                rows[-1]["row"] = f"vllm-tah2-b{B}" if size == "small" else f"vllm-tah2-{size}-b{B}"
+                rows[-1]["size"] = size
+                print(json.dumps(rows[-1]), flush=True)
+            del llms
+            gc.collect()
+    loads["end"] = os.getloadavg()
+    write(rows, args, loads, vllm.__version__)
 
 
-def write(rows, args, load, vllm_version):
+def write(rows, args, loads, vllm_version):
     import torch
 
     settings = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "vllm": vllm_version,
-                "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                "load_average_at_start": load, "machine": platform.machine(), "model": {**QWEN, "max_iterations": 2},
-                "workload": {"prompt": PROMPT, "new_tokens": args.new, "repeats": args.repeats}}
+                "torch": torch.__version__, "threads": args.threads, "cpu_count": os.cpu_count(),
+                "load_average": loads, "machine": platform.machine(),
+                "models": {size: {**SIZES[size], "vocab_size": 8192, "max_iterations": 2} for size in args.sizes.split(",")},
+                "workload": {"prompt": PROMPT, "new_tokens": args.new, "rounds": args.rounds}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cpu-vllm.json"), "w") as f:
         json.dump({"settings": settings, "rows": rows}, f, indent=1)
-    lines = ["| id | TaH2 ÷ Qwen3 tokens/s in vLLM | TaH2 / Qwen3 tokens/s | mean depth | FLOPs bound | "
-             "vLLM TaH2 ÷ HF generate | KV bytes/token TaH2 / Qwen3 |", "|---|---|---|---|---|---|---|"]
+    lines = ["| id | decode TaH2 ÷ Qwen3 in vLLM | TaH2 / Qwen3 decode tokens/s | mean depth | FLOPs bound | "
+             "pass bound | whole call TaH2 ÷ Qwen3 | vLLM TaH2 ÷ HF generate, decode / whole call | "
+             "KV bytes/token TaH2 / Qwen3 | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['row']} | {r['ratio']:.2f}× | {r['tah2_tokens_per_s']:.0f} / {r['qwen3_tokens_per_s']:.0f} | "
-                     f"{r['mean_depth']:.2f} | {r['flops_bound']:.2f}× | {r['vs_hf_generate']:.2f}× "
-                     f"({r['hf_generate_tokens_per_s']:.0f} tokens/s) | {r['kv_bytes_per_token']['tah2']} / "
-                     f"{r['kv_bytes_per_token']['qwen3']} |")
-    text = "\n".join(lines) + f"\n\nload average at start {load:.1f} on {os.cpu_count()} cores\n"
+        t, hf = r["decode_tokens_per_s"], r["hf_generate"]
+        lines.append(f"| {r['row']} | {r['ratio']:.2f}× | {t['tah2']:.0f} / {t['qwen3']:.0f} | {r['mean_depth']:.2f} | "
+                     f"{r['flops_bound']:.2f}× | {r['pass_bound']:.2f}× | {r['whole_call_ratio']:.2f}× | "
+                     f"{r['vs_hf_generate']:.2f}× / "
+                     f"{r['whole_call_vs_hf_generate']:.2f}× (HF {hf['decode_tokens_per_s']:.0f} / "
+                     f"{hf['whole_call_tokens_per_s']:.0f} tokens/s) | {r['kv_bytes_per_token']['tah2']} / "
+                     f"{r['kv_bytes_per_token']['qwen3']} | {r['load_average'][0]:.1f} |")
+    start, end = loads["start"], loads["end"]
+    text = "\n".join(lines) + (f"\n\n{args.threads} thread(s); load average {start[0]:.1f} / {start[1]:.1f} / "
+                               f"{start[2]:.1f} at start, {end[0]:.1f} / {end[1]:.1f} / {end[2]:.1f} at the end, "
+                               f"on {os.cpu_count()} cores; best of {args.rounds} interleaved rounds\n")
     with open(os.path.join(args.out, "cpu-vllm.md"), "w") as f:
         f.write(text)
     print(text)

@@ -24,10 +24,17 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from hf_loops.modeling.configuration_sgt import SGTConfig
-from hf_loops.serving.vllm_tah2 import _MLP, _Qwen3Attention, check_engine, load_checkpoint_weights
+from hf_loops.serving.vllm_tah2 import (
+    _MLP,
+    Linear,
+    RMSNorm,
+    _Qwen3Attention,
+    check_engine,
+    load_checkpoint_weights,
+    use_cpu_gemm,
+)
 
 __all__ = ["SGTConfig", "SGTForCausalLMvLLM", "loop_passes"]
 
@@ -49,9 +56,9 @@ class _SGTAttention(_Qwen3Attention):
         # call 0: the base pass; call k ≥ 1: the k-th head loop or Block Loop repeat, each with its own KV slot
         super().__init__(config, cache_config, prefix, [f"attn_loop{k}" for k in range(1, 1 + extra)])
 
-    def forward(self, x, cos, sin, call: int, heads: list[int] | None = None):
+    def forward(self, x, positions, call: int, heads: list[int] | None = None):
         n = x.shape[0]
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, positions)
         out = self.attn[call](q.reshape(n, -1).contiguous(), k.reshape(n, -1).contiguous(),
                               v.reshape(n, -1).contiguous())
         if heads is None:
@@ -74,21 +81,21 @@ class _SGTDecoderLayer(nn.Module):
         self.extra, self.heads, self.block = extra, heads, block
         self.self_attn = _SGTAttention(config, extra, cache_config, f"{prefix}.self_attn")
         self.mlp = _MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def _block(self, x, cos, sin, call):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, call)
+    def _block(self, x, positions, call):
+        x = x + self.self_attn(self.input_layernorm(x), positions, call)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, positions):
         if self.block:  # Block Loop: the whole block again, one KV slot per repeat
             for call in range(1 + self.extra):
-                x = self._block(x, cos, sin, call)
+                x = self._block(x, positions, call)
             return x
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, 0)
+        x = x + self.self_attn(self.input_layernorm(x), positions, 0)
         for k in range(1, self.extra + 1):  # head loops re-read the stream they update; the MLP runs once, after
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, k, self.heads)
+            x = x + self.self_attn(self.input_layernorm(x), positions, k, self.heads)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,13 +107,11 @@ class _SGTBackbone(nn.Module):
         self.layers = nn.ModuleList(
             _SGTDecoderLayer(config, extra, heads, block, cache_config, f"{prefix}.layers.{i}")
             for i, (extra, heads) in enumerate(loop_passes(config)))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, positions):
-        cos, sin = self.rotary_emb(x[None], positions[None])
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, positions)
         return self.norm(x)
 
 
@@ -125,7 +130,7 @@ class SGTForCausalLMvLLM(nn.Module):
         check_engine(vllm_config, "SGT")
         self.config = config
         self.model = _SGTBackbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -140,4 +145,7 @@ class SGTForCausalLMvLLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint_weights(self, weights, "SGT")
+        loaded = load_checkpoint_weights(self, weights, "SGT")
+        # a head loop multiplies by column slices of W_O: those layers keep the unpacked weight
+        use_cpu_gemm(self, keep_weight={layer.self_attn.o_proj for layer in self.model.layers if layer.heads})
+        return loaded

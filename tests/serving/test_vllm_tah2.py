@@ -28,6 +28,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
 
+# One thread everywhere (this process's engine, the server's processes, the reference side): the models are tiny,
+# and the reference side runs while the engines do. With two threads per process on a busy 2-core machine, every
+# parallel region waits for a core (the TaH2 reference side alone: 71 s at two threads, 9 s at one, load 2.5).
+# Set only where vLLM runs, so that the main suite, which collects this module too, keeps its environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM keeps torch's thread count instead of binding
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 REFERENCE_PYTHON = os.environ.get("HF_LOOPS_REFERENCE_PYTHON", os.path.join(REPO, ".venv", "bin", "python"))
@@ -279,32 +286,73 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _post(url, body, stream=False):
+def _post(url, body):
     import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=120)
 
 
+def _stream(url, body):
+    """A streamed request's data chunks, parsed, up to `[DONE]` (which must end the stream)."""
+    chunks, done = [], False
+    with _post(url, dict(body, stream=True)) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                assert not done
+                chunks.append(json.loads(line[6:]))
+    assert done
+    return chunks
+
+
+def _streamed_choices(chunks):
+    """Per choice index of a streamed response: its text and generated token ids; and the response's prompt ids."""
+    text, tokens, prompt = {}, {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            i = choice["index"]
+            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            text[i] = text.get(i, "") + (piece or "")
+            tokens[i] = tokens.get(i, []) + (choice.get("token_ids") or [])
+            prompt = prompt or choice.get("prompt_token_ids")
+        prompt = prompt or chunk.get("prompt_token_ids")
+    return text, tokens, prompt
+
+
+def _counts(stats):
+    return {part: stats[part]["tokens_per_depth"] for part in ("prompt", "output")}
+
+
 @pytest.mark.slow
-def test_openai_server_chat_and_stream(references, tmp_path):
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1: a chat request, and a streamed completion whose
-    text equals our HF `generate`'s tokens decoded."""
+def test_openai_server_depth_statistics_plain_and_streamed(references, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, in vLLM's default process layout (front end,
+    engine core and worker in three processes): chat and completions, plain and streamed (with and without
+    `stream_options.include_usage`, n = 1 and sampled n = 2). Every response carries depth statistics equal to the
+    depths our HF forward gives the tokens vLLM ran for it; a streamed greedy completion equals our HF `generate`."""
     import time
     import urllib.request
 
     from transformers import AutoTokenizer
 
     ref = references["duo_m3"]
+    M = MODELS["duo_m3"]["max_iterations"]
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default layout
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ref["model"], "--served-model-name",
          "tah2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "256", "--block-size", "32", "--max-num-batched-tokens", "16",
-         "--kv-transfer-config", json.dumps(STATS_CONNECTOR)],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(STATS_CONNECTOR)],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
+    chat_body = {"model": "tah2", "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 8,
+                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    sampled_body = {"model": "tah2", "prompt": PROMPTS[4], "max_tokens": NEW_TOKENS, "temperature": 1.0, "n": 2,
+                    "ignore_eos": True, "return_token_ids": True}
     try:
         deadline = time.time() + 400
         while True:
@@ -316,26 +364,27 @@ def test_openai_server_chat_and_stream(references, tmp_path):
                 pass
             assert time.time() < deadline, "the server did not come up in 400 s"
             time.sleep(2)
-        chat = json.load(_post(base + "/v1/chat/completions", {
-            "model": "tah2", "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 8,
-            "temperature": 0.0, "ignore_eos": True}))
+        # plain chat: the statistics in kv_transfer_params
+        chat = json.load(_post(base + "/v1/chat/completions", chat_body))
         assert chat["choices"][0]["message"]["role"] == "assistant"
-        assert isinstance(chat["choices"][0]["message"]["content"], str)
         assert chat["usage"]["completion_tokens"] == 8
-        stats = chat["kv_transfer_params"]["depth_statistics"]  # per request: 7 of the 8 tokens were fed back
-        assert stats["output"]["tokens_per_depth"][0] == 7
-        assert 1.0 <= stats["output"]["mean_depth"] <= 3.0 and stats["prompt"]["tokens_per_depth"][0] > 0
-
-        pieces = []
-        with _post(base + "/v1/completions", {"model": "tah2", "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,
-                                              "temperature": 0.0, "ignore_eos": True, "stream": True}) as resp:
-            for line in resp:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
-        assert len(pieces) > 1  # streamed in several chunks
-        tok = AutoTokenizer.from_pretrained(ref["model"])
-        assert "".join(pieces) == tok.decode(ref["tokens"][0])
+        # streamed chat with a usage chunk: the statistics ride on it (the last chunk before [DONE])
+        chat_chunks = _stream(base + "/v1/chat/completions",
+                              dict(chat_body, stream_options={"include_usage": True}))
+        assert "usage" in chat_chunks[-1] and chat_chunks[-1]["choices"] == []
+        assert all("depth_statistics" not in c for c in chat_chunks[:-1])
+        _, chat_tokens, chat_prompt = _streamed_choices(chat_chunks)
+        # streamed greedy completion without usage: the statistics come in a chunk of their own, with no choices
+        completion_chunks = _stream(base + "/v1/completions", {"model": "tah2", "prompt": PROMPTS[0],
+                                                                "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                                                                "ignore_eos": True})
+        assert completion_chunks[-1]["choices"] == [] and "usage" not in completion_chunks[-1]
+        assert completion_chunks[-1]["id"] == completion_chunks[0]["id"]
+        completion_text, _, _ = _streamed_choices(completion_chunks)
+        # sampled n = 2, streamed and plain: statistics per choice
+        sampled_chunks = _stream(base + "/v1/completions", dict(sampled_body, stream_options={"include_usage": True}))
+        _, sampled_tokens, _ = _streamed_choices(sampled_chunks)
+        plain_sampled = json.load(_post(base + "/v1/completions", sampled_body))
     finally:
         server.terminate()
         try:
@@ -343,6 +392,62 @@ def test_openai_server_chat_and_stream(references, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+    tok = AutoTokenizer.from_pretrained(ref["model"])
+    assert completion_text[0] == tok.decode(ref["tokens"][0])  # streamed greedy tokens = our HF generate
+    # HF's depths of every token vLLM ran for each response, teacher-forced on what vLLM generated
+    sequences = [{"prompt": chat["prompt_token_ids"], "tokens": chat["choices"][0]["token_ids"]},
+                 {"prompt": chat_prompt, "tokens": chat_tokens[0]},
+                 *({"prompt": PROMPTS[4], "tokens": sampled_tokens[i]} for i in range(2)),
+                 *({"prompt": PROMPTS[4], "tokens": c["token_ids"]} for c in plain_sampled["choices"])]
+    (tmp_path / "seqs.json").write_text(json.dumps(sequences))
+    subprocess.run([REFERENCE_PYTHON, os.path.join(HERE, "vllm_reference.py"), "--depths", ref["model"],
+                    str(tmp_path / "seqs.json"), str(tmp_path / "depths.json")],
+                   check=True, env=reference_env(), timeout=600, capture_output=True)
+    depths = json.loads((tmp_path / "depths.json").read_text())
+
+    def want(row, prompt, cached=0):
+        return expected_request_statistics(row, len(prompt), cached, M)
+
+    cached = chat["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+    assert _counts(chat["kv_transfer_params"]["depth_statistics"]) == want(depths[0], chat["prompt_token_ids"], cached)
+    (entry,) = chat_chunks[-1]["depth_statistics"]
+    cached = chat_chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+    assert entry["index"] == 0 and _counts(entry) == want(depths[1], chat_prompt, cached)
+    (entry,) = completion_chunks[-1]["depth_statistics"]
+    assert entry["index"] == 0 and _counts(entry) == want(ref["sequence_depths"][0], PROMPTS[0])
+    assert entry["output"]["mean_depth"] == pytest.approx(sum(entry["output"]["tokens_per_depth"]) / (NEW_TOKENS - 1))
+    # n = 2 (a 17-token prompt: no full 32-token block, so no prefix-cache hit between the two choices)
+    streamed = sampled_chunks[-1]["depth_statistics"]
+    assert [e["index"] for e in streamed] == [0, 1]
+    assert [_counts(e) for e in streamed] == [want(depths[2 + i], PROMPTS[4]) for i in range(2)]
+    params = plain_sampled["kv_transfer_params"]
+    per_choice = [want(depths[4 + c["index"]], PROMPTS[4]) for c in plain_sampled["choices"]]
+    assert [_counts(e) for e in params["depth_statistics_per_choice"]] == per_choice
+    assert _counts(params["depth_statistics"]) == {  # the request's statistics: the sum over its choices
+        part: [a + b for a, b in zip(per_choice[0][part], per_choice[1][part], strict=True)] for part in per_choice[0]}
+
+
+def test_stream_statistics_refuse_an_unknown_vllm(monkeypatch):
+    """The streamed-statistics wrapper knows vLLM 0.32 only: on another version it installs nothing and says so in
+    one line; installing twice wraps once."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    from hf_loops.serving import vllm_stats
+
+    for cls, name in ((OpenAIServingChat, "chat_completion_stream_generator"),
+                      (OpenAIServingCompletion, "completion_stream_generator")):
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # undone after the test
+    before = OpenAIServingCompletion.completion_stream_generator
+    with pytest.raises(RuntimeError, match=r"^hf_loops: streamed depth statistics are written for vLLM 0\.32\.x, "
+                                           r"not 0\.99\.0: .*non-streamed ones still do\)$"):
+        vllm_stats.install_stream_statistics("0.99.0")
+    assert OpenAIServingCompletion.completion_stream_generator is before
+    assert vllm_stats.install_stream_statistics()
+    wrapped = OpenAIServingCompletion.completion_stream_generator
+    assert vllm_stats.install_stream_statistics()
+    assert OpenAIServingCompletion.completion_stream_generator is wrapped
 
 
 def test_plugin_registration_is_idempotent_and_refuses_spiralformer():

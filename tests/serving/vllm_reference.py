@@ -4,10 +4,12 @@ tokens (fp32) for the given prompts, plus (TaH2) every prompt's per-token execut
 
     python tests/serving/vllm_reference.py SPECS.json OUT_DIR
     python tests/serving/vllm_reference.py --score MODEL_DIR SEQUENCES.json OUT.json
+    python tests/serving/vllm_reference.py --depths MODEL_DIR SEQUENCES.json OUT.json
 
-    python tests/serving/vllm_reference.py --time MODEL_DIR PROMPTS.json NEW_TOKENS REPEATS
+    python tests/serving/vllm_reference.py --time MODEL_DIR PROMPTS.json NEW_TOKENS ROUNDS
 
---time: best seconds of a greedy HF `generate` call on the prompts (the vLLM bench). --score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]).
+--time: best seconds of a greedy HF `generate` call on the prompts, for NEW_TOKENS and for one token (the vLLM bench). --score: teacher-forced log q of given continuations ([{"prompt": [ids], "tokens": [ids]}] → [[log q per token]]). --depths: the executed depth of
+every token vLLM feeds the model for such a continuation (the prompt and all its tokens but the last).
 
 SPECS: {name: {"seed": int, "arch": "tah2" (default) | "sgt", "<arch>": {config overrides}, "prompts": [[token ids]], "max_new_tokens": int}}; each
 name gets OUT_DIR/name/model (the export) and OUT_DIR/name/expected.json (tokens, prompt_depths). Optional keys
@@ -133,9 +135,24 @@ def score(model_dir: str, sequences_path: str, out_path: str) -> None:
         json.dump(out, f)
 
 
-def time_generate(model_dir: str, prompts_path: str, new: str, repeats: str) -> None:
-    """Prints the best-of-`repeats` seconds of one greedy `generate` call on the given equal-length prompts (after
-    a warm-up call): the HF side of the vLLM bench."""
+def depths(model_dir: str, sequences_path: str, out_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import hf_loops  # noqa: F401  (registers TaH2 with the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with open(sequences_path) as f:
+        sequences = json.load(f)
+    with torch.no_grad():
+        out = [model(torch.tensor([seq["prompt"] + seq["tokens"][:-1]]), use_cache=False).iter_counts[0].tolist()
+               for seq in sequences]
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+def time_generate(model_dir: str, prompts_path: str, new: str, rounds: str) -> None:
+    """Prints the best-of-`rounds` seconds of one greedy `generate` call on the given equal-length prompts for `new`
+    tokens and for one token (the prefill), the two alternating, after a warm-up: the HF side of the vLLM bench."""
     import time
 
     from transformers import AutoModelForCausalLM
@@ -146,19 +163,22 @@ def time_generate(model_dir: str, prompts_path: str, new: str, repeats: str) -> 
     model.generation_config.eos_token_id = None
     with open(prompts_path) as f:
         ids = torch.tensor(json.load(f))
-    best = float("inf")
+    best = {int(new): float("inf"), 1: float("inf")}
     with torch.no_grad():
-        for i in range(int(repeats) + 1):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=0)
-            if i:
-                best = min(best, time.perf_counter() - t)
-    print(best)
+        for i in range(int(rounds) + 1):
+            for n in best:
+                t = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+                if i:
+                    best[n] = min(best[n], time.perf_counter() - t)
+    print(best[int(new)], best[1])
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--score":
         score(*sys.argv[2:5])
+    elif sys.argv[1] == "--depths":
+        depths(*sys.argv[2:5])
     elif sys.argv[1] == "--time":
         time_generate(*sys.argv[2:6])
     else:
