@@ -3,12 +3,13 @@ row's models and batch, process CPU time at one thread.
 
     python -m bench.profile_sft [--size 100m|tiny] [--tool ops|profiler] [--threads 1] [--top 25] [--matmuls]
 
-Prints, per model: the step's CPU seconds (best of `--repeats`, unprofiled), the time of the matrix multiplies (share,
-GFLOP from their shapes), the attention kernels and the rest, the top ops by time and, with `--matmuls`, every matmul
-shape with its calls, seconds and GFLOP/s; then TaH2 ÷ Standard. `--tool ops` (default) times each op with the
-process CPU clock inside a `TorchDispatchMode` and counts the minor page faults it takes (fresh memory shows up as
-faults); `--tool profiler` is torch.profiler's self CPU time, which on this CPU inflates memory-bound ops (it measured
-weight-gradient adds at ten times their unprofiled cost). Not a bench row: a diagnostic.
+Prints, per model, after the bench row's warm-up steps: the step's CPU seconds (best of `--repeats`, unprofiled), the
+time of the matrix multiplies (share, GFLOP from their shapes), the attention kernels and the rest, the top ops by
+time and, with `--matmuls`, every matmul shape with its calls, seconds and GFLOP/s; then TaH2 ÷ Standard. `--tool ops`
+(default) times each op with the process CPU clock inside a `TorchDispatchMode` and counts the minor page faults it
+takes (fresh memory shows up as faults); `--tool profiler` is torch.profiler's self CPU time, which on this CPU
+inflates memory-bound ops (it measured weight-gradient adds at eight times their unprofiled cost). Not a bench row: a
+diagnostic.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import SIZES, WORKLOADS, Ctx, set_clock
-from .train_steps import sft_models_and_step
+from .train_steps import SFT_WARMUP_STEPS, run_steps, sft_models_and_step
 
 MATMULS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
 ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     steps, attn = sft_models_and_step(SIZES[args.size], ctx)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.threads} thread(s); {attn}; tool {args.tool}; "
           f"realised depth {steps['tah2']():.3f}")
+    for fn in steps.values():  # the steady state the bench row times
+        run_steps(fn, SFT_WARMUP_STEPS)
     best = {}
     for _ in range(args.repeats):
         for k, fn in steps.items():

@@ -96,7 +96,7 @@ def calibrate_sft_tau(model, ids: torch.Tensor, rate: float) -> float:
 SFT_WARMUP_STEPS = 5
 
 
-def _steps(fn, n: int) -> None:
+def run_steps(fn, n: int) -> None:
     for _ in range(n):
         fn()
 
@@ -107,7 +107,7 @@ def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
     seconds: dict[str, list[float]] = {}
     best = interleaved_best({k: functools.partial(timed, ctx.device, fn) for k, fn in runs.items()},
                             ctx.workload.repeats, all_seconds=seconds,
-                            warmups={k: functools.partial(_steps, fn, SFT_WARMUP_STEPS) for k, fn in runs.items()})
+                            warmups={k: functools.partial(run_steps, fn, SFT_WARMUP_STEPS) for k, fn in runs.items()})
     spreads = ", ".join(f"{k} {spread(v):.0%}" for k, v in seconds.items())
     rows = []
     for key, row_id in (("tah2", "tah2-sft"), ("tah2-d1.23", "tah2-d1.23-sft")):

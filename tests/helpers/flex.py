@@ -3,7 +3,8 @@
 On CPU, transformers compiles `flex_attention` and `create_block_mask`, and even torch's "uncompiled" `flex_attention`
 traces each new shape with dynamo (~0.4 s a shape, more once dynamo's caches fill up over a whole test session). The
 masks are what these tests check, so they run transformers' flex integration with torch's dense reference kernel of
-the same op, called directly. The compiled kernel has its own opt-in tests (HF_LOOPS_COMPILED_FLEX=1)."""
+the same op, called directly. The compiled kernel has tests of its own: TaH2's full forward in the suite, the rest
+opt-in (HF_LOOPS_COMPILED_FLEX=1)."""
 
 import os
 
