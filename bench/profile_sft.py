@@ -3,7 +3,8 @@ row's models and batch, process CPU time at one thread.
 
     python -m bench.profile_sft [--size 100m|tiny] [--tool ops|profiler] [--threads 1] [--top 25] [--matmuls]
 
-Prints, per model, after the bench row's warm-up steps: the step's CPU seconds (best of `--repeats`, unprofiled), the
+Prints, per model, after the bench row's warm-up steps: every timed step's CPU seconds (`--repeats` interleaved,
+unprofiled) and the median of the per-repeat ratios; then per model the step's best seconds, the
 time of the matrix multiplies (share, GFLOP from their shapes), the attention kernels and the rest, the top ops by
 time and, with `--matmuls`, every matmul shape with its calls, seconds and GFLOP/s; then TaH2 ÷ Standard. `--tool ops`
 (default) times each op with the process CPU clock inside a `TorchDispatchMode` and counts the minor page faults it
@@ -18,6 +19,7 @@ import argparse
 import collections
 import os
 import resource
+import statistics
 import time
 
 import torch
@@ -122,12 +124,17 @@ def main(argv: list[str] | None = None) -> None:
           f"realised depth {steps['tah2']():.3f}")
     for fn in steps.values():  # the steady state the bench row times
         run_steps(fn, SFT_WARMUP_STEPS)
-    best = {}
+    seconds = {k: [] for k in steps}
     for _ in range(args.repeats):
         for k, fn in steps.items():
             t0 = time.process_time()
             fn()
-            best[k] = min(best.get(k, float("inf")), time.process_time() - t0)
+            seconds[k].append(time.process_time() - t0)
+    best = {k: min(v) for k, v in seconds.items()}
+    for k, v in seconds.items():
+        print(f"{k} steps (CPU-s): " + " ".join(f"{t:.3f}" for t in v))
+    pairs = sorted(t / s for s, t in zip(seconds["standard"], seconds["tah2"], strict=True))
+    print(f"TaH2 ÷ Standard per repeat: {' '.join(f'{r:.3f}' for r in pairs)}; median {statistics.median(pairs):.3f}×")
     profiler = _ops_profile if args.tool == "ops" else _torch_profile
     out = {k: _summary(k, best[k], profiler(fn), args.top, args.matmuls) for k, fn in steps.items()}
     s, t = out["standard"], out["tah2"]

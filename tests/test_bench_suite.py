@@ -3,6 +3,7 @@ and the lead's tables read. No timing assertions: a row may miss its goal (or er
 
 import json
 import os
+import statistics
 
 import pytest
 import torch
@@ -33,6 +34,12 @@ def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
         assert set(r) >= {"id", "name", "size", "goal", "measured", "met", "note"}
         assert r["met"] in {"yes", "no", "reported", "error"}
         assert (r["measured"] is None) == (r["met"] == "error"), r
+    sft = next(r for r in data["rows"] if r["id"] == "tah2-sft")
+    if sft["met"] != "error":  # --quick keeps the asked repeats; the median is of the per-repeat (back-to-back) ratios
+        extra = sft["extra"]
+        pairs = [t / s for s, t in zip(extra["repeat_seconds"]["standard"], extra["repeat_seconds"]["tah2"], strict=True)]
+        assert extra["repeats"] == len(pairs) == 1 and extra["median_ratio"] == pytest.approx(statistics.median(pairs))
+        assert f"median of the per-repeat ratios {extra['median_ratio']:.3f}×" in sft["note"]
     md = (tmp_path / "smoke.md").read_text().splitlines()
     header = "| row | size | goal | measured | met? | note |"
     assert header in md
