@@ -1,12 +1,15 @@
 """Where a TaH2 `generate` decode goes: process CPU time of the continuous-depth loop's parts, beside lockstep and
 Standard on the same weights (the `tah2-generate` rows' models, prompts and sampling).
 
-    python -m bench.profile_generate [--size 100m|768x6|tiny] [--batch 8] [--repeats 3] [--threads 1]
+    python -m bench.profile_generate [--size 100m|768x6|tiny] [--batch 8] [--repeats 3] [--threads 1] [--ops]
 
 Per repeat and model: decode seconds (CPU time from the end of the prefill), realised decode depth, passes; for the
 continuous-depth loop also the CPU seconds inside its layer pass (`_one_pass`, of which the LM head), decider and
 mixture (`_decide_and_mix`), updater (`_advance_depth`) and token emission (`_emit_tokens`: processors, sampling,
-stop criteria). Not a bench row: a diagnostic (CPU time, so other jobs on a shared CPU do not show as our time).
+stop criteria). With `--ops`, one more decode of Standard and of the continuous-depth loop with every op timed
+(`bench.profile_sft`'s `OpTimer`): the matmuls' seconds, calls and GFLOP, each model's other top ops, and what the
+matmuls alone allow the FLOPs-bound efficiency to reach (TaH2's matmul GFLOP/s ÷ Standard's in the decode, the prefill's ops left out).
+Not a bench row: a diagnostic (CPU time, so other jobs on a shared CPU do not show as our time).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import hf_loops.modeling.generation_tah2 as generation
 
 from .common import SIZES, WORKLOADS, Ctx, random_ids, set_clock
+from .profile_sft import MATMULS, OpTimer
 from .tah2_decode import build_models
 from .tah2_generate import ISSUE_SIZE, PROMPT, timed_generate
 
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ops", action="store_true", help="also time every op of one decode per model")
+    p.add_argument("--top", type=int, default=12, help="with --ops: the other ops listed per model")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     set_clock("cpu")
@@ -76,6 +82,50 @@ def main(argv: list[str] | None = None) -> None:
         for name, fn in originals.items():
             setattr(generation, name, fn)
         del head.forward
+    if args.ops:
+        _op_profile(models, ids, args.new, runs, args.top)
+
+
+def _op_profile(models, ids, new: int, runs: dict, top: int) -> None:
+    """One `generate` each of Standard and the continuous-depth loop under `OpTimer`: matmul seconds / calls / GFLOP
+    and the other top ops; then TaH2's matmul GFLOP/s ÷ Standard's, the efficiency the matmuls alone allow."""
+    from .tah2_generate import flops_ratio
+
+    mm: dict[str, tuple[float, int, float]] = {}
+    info_of = {}
+    for name in ("standard", "continuous"):
+        key, kw = runs[name]
+        timer, model = OpTimer(), models[key]
+        at_prefill = {}
+        prefill = model._prefill
+
+        def counted_prefill(*args, prefill=prefill, timer=timer, at_prefill=at_prefill, **kwargs):  # the decode's ops = all − the prefill's
+            out = prefill(*args, **kwargs)
+            at_prefill.update({k: list(v) for k, v in timer.ops.items()})
+            return out
+
+        model._prefill = counted_prefill  # timed_generate wraps this and removes the attribute when it returns
+        with timer:
+            secs, info = timed_generate(model, ids, new, "cpu", seed=5, **kw)
+        ops = {k: [a - b for a, b in zip(v, at_prefill.get(k, [0, 0.0, 0, 0.0]), strict=True)]
+               for k, v in timer.ops.items()}
+        by_op = collections.defaultdict(lambda: [0, 0.0])
+        for (op, _), (n, s, _, _) in ops.items():
+            by_op[op][0] += n
+            by_op[op][1] += s
+        mm[name] = (sum(v[1] for (op, _), v in ops.items() if op in MATMULS),
+                    sum(v[0] for (op, _), v in ops.items() if op in MATMULS),
+                    sum(v[3] for (op, _), v in ops.items() if op in MATMULS) / 1e9)
+        info_of[name] = info
+        rest = sorted(((op, v) for op, v in by_op.items() if op not in MATMULS), key=lambda kv: -kv[1][1])[:top]
+        print(f"\n== {name} (ops timed, decode only): decode {secs:.2f} s, inside ops {sum(v[1] for v in by_op.values()):.2f} s; "
+              f"matmuls {mm[name][0]:.3f} s, {mm[name][1]} calls, {mm[name][2]:.1f} GFLOP")
+        for op, (n, s) in rest:
+            print(f"   {s:7.3f} s {n:6d} calls  {op}")
+    (ms, _, gs), (mt, _, gt) = mm["standard"], mm["continuous"]
+    print(f"\nmatmul seconds TaH2 ÷ Standard {mt / ms:.3f}× for {gt / gs:.3f}× the matmul GFLOP (decode only): "
+          f"TaH2's matmuls run at {gt / mt / (gs / ms):.3f} of Standard's GFLOP/s, the FLOPs-bound efficiency the "
+          f"matmuls alone allow (decode FLOPs ratio {flops_ratio(models['tah2'].config, info_of['continuous'], ids.shape[1], new):.3f})")
 
 
 if __name__ == "__main__":

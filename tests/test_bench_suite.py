@@ -73,3 +73,26 @@ def test_clock_choice_and_spread(monkeypatch):
     finally:
         common.set_clock("wall")
     assert common.spread([2.0, 3.0, 2.5]) == 0.5 and common.spread([1.0]) == 0.0
+
+
+@pytest.mark.slow
+def test_profile_generate_ops_counts_the_decode_only(monkeypatch, capsys):
+    """`python -m bench.profile_generate --ops` times every op of one decode per model with the prefill's ops left
+    out: Standard's decode runs one layer-stack pass per new token after the first, so its matmul calls are a
+    multiple of those tokens, and the final line compares matmul speed per FLOP."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import common, profile_generate
+
+    threads, clock = torch.get_num_threads(), common.clock_name()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            profile_generate.main(["--size", "tiny", "--batch", "2", "--repeats", "1", "--new", "5", "--ops",
+                                   "--threads", str(threads)])
+    finally:  # the tool sets the process's clock and threads, as a command should
+        torch.set_num_threads(threads)
+        common.set_clock(clock)
+    out = capsys.readouterr().out
+    std = next(line for line in out.splitlines() if line.startswith("== standard (ops timed, decode only)"))
+    calls = int(std.split(" calls")[0].rsplit(" ", 1)[1])
+    assert calls > 0 and calls % 4 == 0  # 4 decode forwards (new − 1), the same matmuls each
+    assert "TaH2's matmuls run at" in out.splitlines()[-1]
