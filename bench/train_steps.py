@@ -96,10 +96,10 @@ def calibrate_sft_tau(model, ids: torch.Tensor, rate: float) -> float:
 # after one (measured with `python -m bench.profile_sft`).
 SFT_WARMUP_STEPS = 5
 # Timed repeats of the SFT rows, at least (not for `--quick`). One step's CPU time at one thread varies by 15–30 %
-# between consecutive steps on the 2-core VM even when idle (Standard 2.66–3.48 s, TaH2 5.29–6.31 s over 8 interleaved
-# pairs; `python -m bench.profile_sft --repeats 8` prints every step), more than the 7 % between the matmul FLOPs ratio
-# (1.77×) and the goal (1.9×), so a best of 2 measured the noise. The rows also report the median of the per-repeat
-# ratios (each pair timed back to back), an estimate that does not rest on either side's fastest step.
+# between consecutive steps on the 2-core VM even when idle (`python -m bench.profile_sft --repeats 8`: Standard
+# 2.93–3.76 s, TaH2 5.80–6.66 s), more than the 7 % between the matmul FLOPs ratio (1.77×) and the goal (1.9×), so a
+# best of 2 measured the noise. The rows also report the median of the per-repeat ratios (each pair timed back to
+# back), an estimate that does not rest on either side's fastest step.
 SFT_MIN_REPEATS = 8
 
 
