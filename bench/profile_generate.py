@@ -99,7 +99,8 @@ def _op_profile(models, ids, new: int, runs: dict, top: int) -> None:
         at_prefill = {}
         prefill = model._prefill
 
-        def counted_prefill(*args, prefill=prefill, timer=timer, at_prefill=at_prefill, **kwargs):  # the decode's ops = all − the prefill's
+        # the decode's ops = all ops − those counted when the prefill returns
+        def counted_prefill(*args, prefill=prefill, timer=timer, at_prefill=at_prefill, **kwargs):
             out = prefill(*args, **kwargs)
             at_prefill.update({k: list(v) for k, v in timer.ops.items()})
             return out
@@ -113,19 +114,20 @@ def _op_profile(models, ids, new: int, runs: dict, top: int) -> None:
         for (op, _), (n, s, _, _) in ops.items():
             by_op[op][0] += n
             by_op[op][1] += s
-        mm[name] = (sum(v[1] for (op, _), v in ops.items() if op in MATMULS),
-                    sum(v[0] for (op, _), v in ops.items() if op in MATMULS),
-                    sum(v[3] for (op, _), v in ops.items() if op in MATMULS) / 1e9)
+        matmuls = [v for (op, _), v in ops.items() if op in MATMULS]
+        mm[name] = (sum(v[1] for v in matmuls), sum(v[0] for v in matmuls), sum(v[3] for v in matmuls) / 1e9)
         info_of[name] = info
         rest = sorted(((op, v) for op, v in by_op.items() if op not in MATMULS), key=lambda kv: -kv[1][1])[:top]
-        print(f"\n== {name} (ops timed, decode only): decode {secs:.2f} s, inside ops {sum(v[1] for v in by_op.values()):.2f} s; "
+        inside = sum(v[1] for v in by_op.values())
+        print(f"\n== {name} (ops timed, decode only): decode {secs:.2f} s, inside ops {inside:.2f} s; "
               f"matmuls {mm[name][0]:.3f} s, {mm[name][1]} calls, {mm[name][2]:.1f} GFLOP")
         for op, (n, s) in rest:
             print(f"   {s:7.3f} s {n:6d} calls  {op}")
     (ms, _, gs), (mt, _, gt) = mm["standard"], mm["continuous"]
+    flops = flops_ratio(models["tah2"].config, info_of["continuous"], ids.shape[1], new)
     print(f"\nmatmul seconds TaH2 ÷ Standard {mt / ms:.3f}× for {gt / gs:.3f}× the matmul GFLOP (decode only): "
           f"TaH2's matmuls run at {gt / mt / (gs / ms):.3f} of Standard's GFLOP/s, the FLOPs-bound efficiency the "
-          f"matmuls alone allow (decode FLOPs ratio {flops_ratio(models['tah2'].config, info_of['continuous'], ids.shape[1], new):.3f})")
+          f"matmuls alone allow (decode FLOPs ratio {flops:.3f})")
 
 
 if __name__ == "__main__":
