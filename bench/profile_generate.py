@@ -8,8 +8,8 @@ continuous-depth loop also the CPU seconds inside its layer pass (`_one_pass`, o
 mixture (`_decide_and_mix`), updater (`_advance_depth`) and token emission (`_emit_tokens`: processors, sampling,
 stop criteria). With `--ops`, one more decode of Standard and of the continuous-depth loop with every op timed
 (`bench.profile_sft`'s `OpTimer`): the matmuls' seconds, calls and GFLOP, each model's other top ops, and what the
-matmuls alone allow the FLOPs-bound efficiency to reach (TaH2's matmul GFLOP/s ÷ Standard's in the decode, the prefill's ops left out).
-Not a bench row: a diagnostic (CPU time, so other jobs on a shared CPU do not show as our time).
+matmuls alone allow the FLOPs-bound efficiency to reach (TaH2's matmul GFLOP/s ÷ Standard's in the decode, the
+prefill's ops left out). Not a bench row: a diagnostic (CPU time, so other jobs on a shared CPU do not show as our time).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 import hf_loops.modeling.generation_tah2 as generation
 
 from .common import SIZES, WORKLOADS, Ctx, random_ids, set_clock
-from .profile_sft import MATMULS, OpTimer
+from .profile_sft import MATMULS, OpTimer, by_op
 from .tah2_decode import build_models
-from .tah2_generate import ISSUE_SIZE, PROMPT, timed_generate
+from .tah2_generate import ISSUE_SIZE, PROMPT, flops_ratio, timed_generate
 
 PARTS = ("_one_pass", "_decide_and_mix", "_advance_depth", "_emit_tokens")
 
@@ -89,8 +89,6 @@ def main(argv: list[str] | None = None) -> None:
 def _op_profile(models, ids, new: int, runs: dict, top: int) -> None:
     """One `generate` each of Standard and the continuous-depth loop under `OpTimer`: matmul seconds / calls / GFLOP
     and the other top ops; then TaH2's matmul GFLOP/s ÷ Standard's, the efficiency the matmuls alone allow."""
-    from .tah2_generate import flops_ratio
-
     mm: dict[str, tuple[float, int, float]] = {}
     info_of = {}
     for name in ("standard", "continuous"):
@@ -110,18 +108,15 @@ def _op_profile(models, ids, new: int, runs: dict, top: int) -> None:
             secs, info = timed_generate(model, ids, new, "cpu", seed=5, **kw)
         ops = {k: [a - b for a, b in zip(v, at_prefill.get(k, [0, 0.0, 0, 0.0]), strict=True)]
                for k, v in timer.ops.items()}
-        by_op = collections.defaultdict(lambda: [0, 0.0])
-        for (op, _), (n, s, _, _) in ops.items():
-            by_op[op][0] += n
-            by_op[op][1] += s
+        per_op = by_op(ops)
         matmuls = [v for (op, _), v in ops.items() if op in MATMULS]
         mm[name] = (sum(v[1] for v in matmuls), sum(v[0] for v in matmuls), sum(v[3] for v in matmuls) / 1e9)
         info_of[name] = info
-        rest = sorted(((op, v) for op, v in by_op.items() if op not in MATMULS), key=lambda kv: -kv[1][1])[:top]
-        inside = sum(v[1] for v in by_op.values())
+        rest = sorted(((op, v) for op, v in per_op.items() if op not in MATMULS), key=lambda kv: -kv[1][1])[:top]
+        inside = sum(v[1] for v in per_op.values())
         print(f"\n== {name} (ops timed, decode only): decode {secs:.2f} s, inside ops {inside:.2f} s; "
               f"matmuls {mm[name][0]:.3f} s, {mm[name][1]} calls, {mm[name][2]:.1f} GFLOP")
-        for op, (n, s) in rest:
+        for op, (n, s, _) in rest:
             print(f"   {s:7.3f} s {n:6d} calls  {op}")
     (ms, _, gs), (mt, _, gt) = mm["standard"], mm["continuous"]
     flops = flops_ratio(models["tah2"].config, info_of["continuous"], ids.shape[1], new)

@@ -1,7 +1,8 @@
 """Where a TaH2 SFT step goes: every op of one step of Standard and one of TaH2 (M = 2, lookahead), the `tah2-sft`
 row's models and batch, process CPU time at one thread.
 
-    python -m bench.profile_sft [--size 100m|tiny] [--tool ops|profiler] [--threads 1] [--top 25] [--matmuls]
+    python -m bench.profile_sft [--size 100m|tiny] [--tool ops|profiler] [--threads 1] [--repeats 2] [--top 25]
+                                [--matmuls]
 
 Prints, per model, after the bench row's warm-up steps: every timed step's CPU seconds (`--repeats` interleaved,
 unprofiled) and the median of the per-repeat ratios; then per model the step's best seconds, the
@@ -82,22 +83,28 @@ def _torch_profile(fn) -> dict:
     return {k: tuple(v) for k, v in ops.items()}
 
 
-def _summary(name: str, seconds: float, ops: dict, top: int, matmuls: bool) -> dict:
-    by_op = collections.defaultdict(lambda: [0, 0.0, 0])
+def by_op(ops: dict) -> dict:
+    """{op: [calls, seconds, faults]} summed over the input shapes of `OpTimer.ops`-style entries."""
+    out = collections.defaultdict(lambda: [0, 0.0, 0])
     for (op, _), (n, s, f, _) in ops.items():
-        b = by_op[op]
+        b = out[op]
         b[0] += n
         b[1] += s
         b[2] += f
-    total = sum(v[1] for v in by_op.values())
-    mm = sum(v[1] for k, v in by_op.items() if k in MATMULS)
-    attn = sum(v[1] for k, v in by_op.items() if k in ATTENTION)
+    return out
+
+
+def _summary(name: str, seconds: float, ops: dict, top: int, matmuls: bool) -> dict:
+    per_op = by_op(ops)
+    total = sum(v[1] for v in per_op.values())
+    mm = sum(v[1] for k, v in per_op.items() if k in MATMULS)
+    attn = sum(v[1] for k, v in per_op.items() if k in ATTENTION)
     flops = sum(v[3] for (op, _), v in ops.items() if op in MATMULS)
-    faults = sum(v[2] for v in by_op.values())
+    faults = sum(v[2] for v in per_op.values())
     print(f"\n== {name}: step {seconds:.3f} CPU-s (best, unprofiled); inside ops {total:.3f} s, {faults} page faults")
     print(f"   matmuls {mm:.3f} s ({mm / total:.0%}), {flops / 1e9:.1f} GFLOP ({flops / 1e9 / max(mm, 1e-9):.0f} GFLOP/s); "
           f"attention kernels {attn:.3f} s; rest {total - mm - attn:.3f} s")
-    for op, (n, s, f) in sorted(by_op.items(), key=lambda kv: -kv[1][1])[:top]:
+    for op, (n, s, f) in sorted(per_op.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"   {s:7.3f} s {n:5d} calls {f:7d} faults  {op}")
     if matmuls:
         print("   matmul shapes (calls, s, GFLOP, GFLOP/s, faults):")

@@ -123,7 +123,8 @@ def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
             continue
         ratio, d = best[key][0] / best["standard"][0], best[key][1]
         median = statistics.median(t / s for s, t in zip(seconds["standard"], seconds[key], strict=True))
-        timing = f"best of {repeats} interleaved repeats after {SFT_WARMUP_STEPS} warm-up steps; median of the per-repeat ratios {median:.3f}×"
+        timing = (f"best of {repeats} interleaved repeats after {SFT_WARMUP_STEPS} warm-up steps; "
+                  f"median of the per-repeat ratios {median:.3f}×")
         extra = {"mean_depth": d, "seconds": {k: best[k][0] for k in ("standard", key)}, "repeats": repeats,
                  "median_ratio": median, "repeat_seconds": {k: seconds[k] for k in ("standard", key)}}
         if key == "tah2":
@@ -134,7 +135,7 @@ def tah2_sft_rows(size: Size, ctx: Ctx) -> list[Row]:
         else:
             rows.append(Row(row_id, "TaH2 SFT step ÷ Standard at the paper's realised depth (M = 2, lookahead; extra)",
                             size.name, "reported", ratio, judged(None),
-                                        note=f"d̄ {d:.2f} (τ = {runs[key].tau:.3f}: quantile of the batch's depth-1 g); "
+                            note=f"d̄ {d:.2f} (τ = {runs[key].tau:.3f}: quantile of the batch's depth-1 g); "
                                  f"d̄ + 0.4 = {d + 0.4:.2f}; {_shape(ctx)}; {attn}; {timing}",
                             extra=extra))
     return rows
