@@ -8,6 +8,9 @@ Every command that writes a directory (convert, train, pretrain, eval, analyze, 
   one (`overwrite`), or move its files into the existing directory with `config.json` last; removed on any failure,
   SIGTERM included; files and folders get the modes the umask gives (not mkdtemp's 0700).
 - `output_lock`: an advisory lock (fcntl) per output directory, so two runs cannot write into one directory.
+- `run_output_lock`: the lock of one run, which may be several processes: under a distributed launch (`accelerate
+  launch`, `torchrun`: `WORLD_SIZE` > 1) the main process (rank 0) holds `output_lock` and the other ranks wait until
+  their own run's main process holds it, then go on without taking it.
 - `remove_stale_exports`: leftovers of a SIGKILL-ed run (`.hf_loops_export_<pid>_*`) are named and removed.
 """
 
@@ -21,6 +24,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 # Temporary directories of an export in progress: `<prefix><pid>_<random>`, so a later export can tell the leftovers of
 # a killed process (SIGKILL cannot be caught) from the directory of a concurrent export that is still running.
@@ -32,6 +36,10 @@ LAST_FILE = "config.json"
 LOCK_SUFFIX = ".hf_loops.lock"
 LOCK_NAME = ".hf_loops.lock"  # inside the directory, where its parent cannot be written (`.` in a read-only parent)
 _HELD: dict[str, int] = {}  # lock files this process holds → nesting depth
+# How long the other ranks of a distributed launch wait for their main process to hold the lock (seconds; 0: go on
+# without waiting, for an output directory that is not on a filesystem every rank shares).
+LOCK_WAIT_ENV = "HF_LOOPS_LOCK_WAIT_S"
+LOCK_WAIT_S = 600.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -260,11 +268,19 @@ def lock_path(out_dir: str) -> str:
     return beside
 
 
+def _holder(fd: int) -> tuple[str, str]:
+    """(pid, run key) written in a lock file: `<pid>` or `<pid> <run key>`."""
+    words = os.pread(fd, 512, 0).decode("ascii", "replace").split()
+    return (words[0] if words else "another process"), (words[1] if len(words) > 1 else "")
+
+
 @contextlib.contextmanager
-def output_lock(out_dir: str, what: str = "--out"):
+def output_lock(out_dir: str, what: str = "--out", run: str = ""):
     """Hold an exclusive advisory lock (fcntl) on `out_dir` for the block: a second run that asks for the same
-    directory is refused at once with `ValueError` naming the process that holds it. The lock file is removed when
-    the block ends. Without fcntl (Windows), nothing is locked."""
+    directory is refused at once with `ValueError` naming the process that holds it. The lock file holds this
+    process's pid and `run` (a distributed launch's key, `launch_key()`, so that the run's other ranks can tell their
+    own main process from another run's). The lock file is removed when the block ends. Without fcntl (Windows),
+    nothing is locked."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no advisory locks on this platform
@@ -288,7 +304,7 @@ def output_lock(out_dir: str, what: str = "--out"):
             if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 os.close(fd)
                 raise
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
+            holder, _ = _holder(fd)
             os.close(fd)
             raise ValueError(f"{what} {out_dir!r} is being written by another run (pid {holder}); wait for it to "
                              "finish or choose another directory") from None
@@ -303,7 +319,7 @@ def output_lock(out_dir: str, what: str = "--out"):
     _HELD[path] = 1
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {run}".strip().encode(), 0)
         yield path
     finally:
         del _HELD[path]
@@ -312,3 +328,102 @@ def output_lock(out_dir: str, what: str = "--out"):
         os.close(fd)
         if created is not None and not os.path.exists(os.path.abspath(os.fspath(out_dir))):
             _remove_empty_up_to(os.path.dirname(path), created)  # a refused run leaves no empty parents behind
+
+
+def launch_rank() -> tuple[int, int]:
+    """(rank, world size) of this process in a distributed launch, from the launcher's environment (`torchrun`,
+    `accelerate launch`: RANK / WORLD_SIZE); (0, 1) for a plain process."""
+    def number(*names: str, default: int) -> int:
+        for name in names:
+            value = os.environ.get(name, "").strip()
+            if value.isdigit():
+                return int(value)
+        return default
+
+    world = number("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+    rank = number("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", default=0) if world > 1 else 0
+    return rank, world
+
+
+def launch_key() -> str:
+    """What the processes of one distributed launch share and two concurrent launches cannot: the rendezvous address
+    (MASTER_ADDR:MASTER_PORT, bound by one launch at a time) and the launcher's run id. Empty for a plain process."""
+    if launch_rank()[1] == 1:
+        return ""
+    addr = os.environ.get("MASTER_ADDR", "")
+    port = os.environ.get("MASTER_PORT", "")
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "".join(c if c.isalnum() or c in ".:-_/[]" else "_" for c in f"{addr}:{port}/{run}")
+
+
+def _held_by(path: str) -> tuple[str, str] | None:
+    """(pid, run key) of the process that holds the lock file `path` now; None when nobody holds it."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            return _holder(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it (a holder that just released it, or not there yet)
+        return None
+    finally:
+        os.close(fd)
+
+
+def wait_for_run_lock(out_dir: str, what: str = "--out", timeout: float | None = None,
+                      poll: float = 0.1) -> str | None:
+    """Block until `out_dir`'s lock is held by the main process of this process's own distributed launch (the same
+    `launch_key()`); returns that process's pid. `timeout` (default: `$HF_LOOPS_LOCK_WAIT_S`, else 600 s) ends the
+    wait with `ValueError`; 0 returns None at once without waiting. While another run holds the lock, this run's main
+    process is refused and its launcher stops this process; the wait goes on until then."""
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:  # pragma: no cover - nothing is locked on this platform
+        return None
+    if timeout is None:
+        text = os.environ.get(LOCK_WAIT_ENV, "").strip()
+        try:
+            timeout = float(text) if text else LOCK_WAIT_S
+        except ValueError:
+            raise ValueError(f"{LOCK_WAIT_ENV}={text!r} is not a number of seconds") from None
+    if timeout <= 0:
+        return None
+    key, rank = launch_key(), launch_rank()[0]
+    path = lock_path(out_dir)
+    deadline = time.monotonic() + timeout
+    other = None
+    while True:
+        held = _held_by(path)
+        if held is not None and held[1] == key:
+            return held[0]
+        other = held or other
+        if time.monotonic() >= deadline:
+            seen = (f"; it is held by another run (pid {other[0]})" if other is not None else
+                    "; it was never taken (is the directory on a filesystem that every rank shares? set "
+                    f"{LOCK_WAIT_ENV}=0 to go on without waiting)")
+            raise ValueError(f"{what} {out_dir!r}: rank {rank} waited {timeout:g} s for its run's main process (rank "
+                             f"0) to lock it{seen}")
+        time.sleep(poll)
+
+
+@contextlib.contextmanager
+def run_output_lock(out_dir: str, what: str = "--out"):
+    """The lock of one run into `out_dir`, held for the block. A plain process holds `output_lock`. Under a distributed
+    launch (WORLD_SIZE > 1) the run's main process (rank 0), which writes what only the main process writes, holds it
+    with the launch's key; every other rank waits at start-up until its own main process holds it
+    (`wait_for_run_lock`) and never takes it. A second, separate run into the same directory is refused as before
+    (its main process fails at once; its other ranks are stopped by their launcher)."""
+    rank, _ = launch_rank()
+    if rank == 0:
+        with output_lock(out_dir, what, run=launch_key()) as path:
+            yield path
+    else:
+        wait_for_run_lock(out_dir, what)
+        yield None
