@@ -457,8 +457,8 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
     items = _example_items(model, tokenizer, examples, tokenized, records, answer_regex(answer_pattern), M)
     metrics = _summary(items, gen_time, gen_tokens, M, max_new_tokens, batch_size, depth_model, decisions)
     result = {"name": name or run_name(model, path), "model": path, "model_type": model.config.model_type,
-              "architecture": type(model).__name__, "dataset": dataset, "split": split, "metrics": metrics,
-              "examples": items}
+              "architecture": type(model).__name__, "dataset": dataset, "split": split,
+              "answer_pattern": answer_pattern, "metrics": metrics, "examples": items}
     if path and os.path.isfile(os.path.join(path, TRAIN_SUMMARY)):
         with open(os.path.join(path, TRAIN_SUMMARY), encoding="utf-8") as f:
             result["training"] = json.load(f)
@@ -608,7 +608,9 @@ def comparison_rows(results: Sequence[dict]) -> tuple[list[str], list[list[str]]
     base = results[0]
     bf = base["metrics"].get("decode_flops_per_token")
     bt = (base.get("training") or {}).get("train_runtime")
-    headers = ["run", "answer NLL", "exact match (#### N)", "mean depth", "mean depth (generated)",
+    pattern = base.get("answer_pattern", "gsm8k")  # what "exact match" compared (results before it: gsm8k)
+    pattern = {"gsm8k": "#### N", "last-number": "last number"}.get(pattern, pattern)
+    headers = ["run", "answer NLL", f"exact match ({pattern})", "mean depth", "mean depth (generated)",
                f"decode FLOPs/token ÷ {base['name']}",
                f"training time ÷ {base['name']}", "decider acc."]
     rows = []

@@ -400,6 +400,10 @@ def test_evaluation_commands_run_as_documented(tmp_path, base, capsys):
             results = json.load(f)["results"]
         assert len(results) == 1 + ("--baseline" in argv)  # one row per model
         assert all(r["metrics"]["examples"] == 3 for r in results)  # "train[:200]" of 3 rows: all 3
+        pattern = argv[argv.index("--answer-pattern") + 1] if "--answer-pattern" in argv else "gsm8k"
+        label = {"gsm8k": "exact match (#### N)", "last-number": "exact match (last number)"}[pattern]
+        with open(tmp_path / argv[argv.index("--out") + 1] / "eval.md", encoding="utf-8") as f:
+            assert label in f.read(), f"`{command}`: the table does not say what exact match compared"
 
 
 @pytest.mark.slow
