@@ -21,10 +21,11 @@ def _auto_map_entry(cls: type) -> str:
 
 
 @contextlib.contextmanager
-def remote_code_saving(model: PreTrainedModel):
+def remote_code_saving(model: PreTrainedModel, model_cls: type | None = None):
     """Within the block, `save_pretrained` writes `auto_map` (AutoConfig, AutoModel, AutoModelForCausalLM) and copies
-    the modeling files. `register_for_auto_class` is undone on exit, so later saves in the process stay plain."""
-    model_cls, config_cls = type(model), type(model.config)
+    the modeling files. `register_for_auto_class` is undone on exit, so later saves in the process stay plain.
+    `model_cls`: the class to register when it is not `type(model)` (a model whose class FSDP2 swapped)."""
+    model_cls, config_cls = model_cls or type(model), type(model.config)
     base = getattr(model, model.base_model_prefix, None)
     base_cls = type(base) if isinstance(base, PreTrainedModel) else None
     had_auto_map = "auto_map" in model.config.__dict__

@@ -382,6 +382,38 @@ def trainer_config(recipe: dict, rest: list[str], output_dir: str, eval_dataset:
     return config
 
 
+def _cli_value(name: str, cli: list[str]) -> str | None:
+    """The last value given to a trainer field on the command line (`--x v`, `--x=v`, either spelling), or None."""
+    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    value = None
+    for i, word in enumerate(cli):
+        flag, eq, text = word.partition("=")
+        if flag in flags:
+            value = text if eq else (cli[i + 1] if i + 1 < len(cli) else None)
+    return value
+
+
+def save_schedule(recipe: dict, rest: list[str], values: dict) -> list[str]:
+    """Checkpoints where the run asks for them: `--save_steps N` (command line, or `trainer=` from Python) while the
+    recipe says `save_strategy: "no"` (as `tiny-cpu` does) saves every N steps, said in one line on stderr; the
+    Trainer would otherwise save nothing, silently. With `save_strategy no` given beside it, a line says that
+    `--save_steps` is ignored. Returns the trainer words to add."""
+    if not _given("save_steps", rest, values):
+        return []
+    steps = values["save_steps"] if "save_steps" in values else _cli_value("save_steps", rest)
+    if _given("save_strategy", rest, values):
+        strategy = values["save_strategy"] if "save_strategy" in values else _cli_value("save_strategy", rest)
+        if str(getattr(strategy, "value", strategy)).strip().lower() == "no":
+            print(f"note: --save_steps {steps} is ignored: save_strategy is 'no' (no checkpoints are saved)",
+                  file=sys.stderr)
+        return []
+    if str(recipe.get("save_strategy", "steps")).strip().lower() != "no":
+        return []
+    print(f"note: saving a checkpoint every {steps} steps as --save_steps asks (the recipe's save_strategy 'no' "
+          "becomes 'steps')", file=sys.stderr)
+    return ["--save_strategy", "steps"]
+
+
 def device_defaults(recipe: dict, rest: list[str]) -> list[str]:
     """Trainer arguments for the machine, when neither the recipe nor the command line chooses the device/precision:
     no CUDA → CPU in float32 (said in one line on stderr); CUDA → bf16 autocast (over the fp32 master weights that
@@ -476,7 +508,7 @@ def remote_code_callback():
     from transformers import PreTrainedModel, TrainerCallback
     from transformers.dynamic_module_utils import custom_object_save
 
-    from ..conversion.export import remote_code_saving
+    from ..conversion.export import _auto_map_entry, remote_code_saving
 
     class RemoteCodeCheckpoints(TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
@@ -486,8 +518,10 @@ def remote_code_callback():
             if not args.should_save or not isinstance(core, PreTrainedModel) or \
                     not os.path.isfile(os.path.join(folder, "config.json")):
                 return
-            with remote_code_saving(core):  # the same registration as the final save_pretrained
-                custom_object_save(core, folder, config=core.config)  # modeling files + the model auto_map entries
+            plain = plain_model_class(core)  # TaH2ForCausalLM, also under FSDP2 (FSDPTaH2ForCausalLM)
+            with remote_code_saving(core, model_cls=plain):  # the same registration as the final save_pretrained
+                custom_object_save(plain, folder)  # the modeling files: the class's module and its relative imports
+                core.config.auto_map["AutoModelForCausalLM"] = _auto_map_entry(plain)
                 core.config.save_pretrained(folder)  # configuration file + config.json with auto_map
 
     return RemoteCodeCheckpoints()
@@ -531,9 +565,9 @@ def train(base: str, dataset: str, output_dir: str, arch: str = "tah2", *, model
     if args.resume_from_checkpoint is True:
         args.resume_from_checkpoint = "true"
     argv = ["--base", args.base, "--dataset", args.dataset, "--output-dir", args.output_dir, "--arch", arch]
-    from ..core.outdir import output_lock
+    from ..core.outdir import run_output_lock
 
-    with output_lock(args.output_dir, "output_dir"):  # a second run into the same directory is refused
+    with run_output_lock(args.output_dir, "output_dir"):  # a second run into the same directory is refused
         return _train(args, [], argv, fields, dict(trainer or {}))
 
 
@@ -548,11 +582,13 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     from .token_budget import apply_token_budget, pop_token_budget
 
     check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    recipe = {**load_recipe(args.recipe), **(trainer_fields or {})}  # Python values over the recipe file's
+    recipe_file = load_recipe(args.recipe)
+    recipe = {**recipe_file, **(trainer_fields or {})}  # Python values over the recipe file's
     recipe_given = dict(recipe)
     budget = pop_token_budget(recipe, rest)  # max_tokens_per_batch, global_batch_size: batching, not trainer fields
     overrides = model_overrides(args.arch, recipe, args, fields)
-    config = trainer_config(recipe, rest, args.output_dir, eval_dataset=args.eval_dataset is not None)
+    config = trainer_config(recipe, rest + save_schedule(recipe_file, rest, trainer_fields or {}), args.output_dir,
+                            eval_dataset=args.eval_dataset is not None)
     check_launch(config)  # before any loading: a launch this machine would run as something else is refused
     if budget is not None:
         budget.detach_max_length(config)  # over-long samples are dropped by the budget sampler, not truncated
@@ -576,7 +612,11 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     model = build_model(args.base, overrides, args.dtype, seed=config.seed)
     check_tokenizer_fits(tokenizer, model.config.vocab_size)
     if args.overwrite_output_dir and os.path.isdir(args.output_dir) and args.resume_from_checkpoint is None:
-        clear_output_dir(args.output_dir)  # only now: bad input above leaves the directory as it was
+        # Only now: bad input above leaves the directory as it was. Once per run: the main process clears it while
+        # the other ranks wait (they write nothing before their first checkpoint, after this barrier).
+        with config.main_process_first(local=False, desc="--overwrite-output-dir"):
+            if config.process_index == 0:
+                clear_output_dir(args.output_dir)
     sizes = {"train": len(dataset)} | ({"eval": len(eval_dataset)} if eval_dataset is not None else {})
     trainer = TaH2SFTTrainer(
         model=model,
@@ -636,11 +676,9 @@ def unsharded_model(trainer, state_dict):
     class for a generated `FSDP<Class>` whose module lives in torch, so saving the wrapped model would copy torch's
     FSDP files as remote code and write `auto_map` entries pointing at them."""
     import torch
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import PreTrainedModel
 
     core = _core_model(trainer.model)
-    cls = next(c for c in type(core).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
+    cls = plain_model_class(core)
     if not trainer.args.should_save:
         return core  # only the saving rank builds the copy (the other ranks hold an empty state dict)
     with torch.device("meta"):
@@ -660,6 +698,15 @@ def unsharded_model(trainer, state_dict):
     return plain.eval()
 
 
+def plain_model_class(model) -> type:
+    """The model's own `PreTrainedModel` class: FSDP2's `fully_shard` swaps an instance's class for a generated
+    `FSDP<Class>` whose module lives in torch (saving by that class would copy torch's FSDP files as remote code)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    return next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
+
+
 def fsdp_on_cpu(trainer) -> bool:
     """Run FSDP on CPU processes (gloo) too, whether it was asked for by the Trainer's `fsdp`/`fsdp_config` or by
     `accelerate launch --config_file` (`distributed_type: FSDP` puts `ACCELERATE_USE_FSDP=true`, `FSDP_VERSION` and
@@ -667,6 +714,7 @@ def fsdp_on_cpu(trainer) -> bool:
     on only for accelerator distributed types: on CPU the run would silently be DDP with nothing sharded. Marking the
     state FSDP with that plugin makes `accelerator.prepare` apply `fully_shard` (FSDP2) as on GPUs. The Trainer's own
     settings win over the environment, as they do on GPUs. Returns whether it changed anything."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state = trainer.accelerator.state
@@ -685,6 +733,10 @@ def fsdp_on_cpu(trainer) -> bool:
                          "use one of them")
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
+    # As accelerate's own AcceleratorState does: every later `AcceleratorState()` (the Trainer's checkpoint save, TRL's
+    # callbacks) copies PartialState's shared fields over its own, which would turn the run back into MULTI_CPU
+    # halfway (a checkpoint save then gathers the DTensor shards on rank 0 alone: a collective mismatch).
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
     return True
 
@@ -819,13 +871,14 @@ def push_checkpoint(folder: str, repo_id: str, private: bool = False) -> None:
 
 
 def _run_locked(argv: list[str]) -> None:
-    """`run` with --output-dir locked: a second run into the same directory is refused at once (one line), instead of
-    interleaving its checkpoints with this run's."""
-    from ..core.outdir import output_lock
+    """`run` with --output-dir locked for the run: a second run into the same directory is refused at once (one
+    line), instead of interleaving its checkpoints with this run's. Under `accelerate launch`/`torchrun` the lock is the
+    run's, not each process's: rank 0 holds it and the other ranks wait for it (`core.outdir.run_output_lock`)."""
+    from ..core.outdir import run_output_lock
 
     args, _ = build_parser(model_fields()).parse_known_args(argv)
     check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    with output_lock(args.output_dir, "--output-dir"):
+    with run_output_lock(args.output_dir, "--output-dir"):
         run(argv)
 
 

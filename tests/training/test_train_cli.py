@@ -240,3 +240,36 @@ def test_training_failure_is_the_last_stderr_line(data, tmp_path, capsys, monkey
         train_main(_argv(data, tmp_path / "x", "--recipe", "nope", "--debug"))
     assert train_main(_argv(data, tmp_path / "x", "--recipe", "nope")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --recipe")
+
+
+# --save_steps against the recipe's save_strategy
+
+def test_save_steps_over_a_recipe_that_saves_nothing_saves_as_asked(data, tmp_path, capsys):
+    """tiny-cpu says save_strategy "no"; `--save_steps 1` on the command line (or from Python) is a request for
+    checkpoints: saved every step, said in one line. Beside an explicit `--save_strategy no` it is ignored, said too."""
+    from hf_loops.training.checkpoints import complete_checkpoints
+
+    out = tmp_path / "asked"
+    assert train_main(_argv(data, out, "--save_steps", "1")) == 0
+    assert [os.path.basename(p) for p in complete_checkpoints(str(out))] == ["checkpoint-1", "checkpoint-2"]
+    note = ("note: saving a checkpoint every 1 steps as --save_steps asks (the recipe's save_strategy 'no' becomes "
+            "'steps')")
+    assert note in capsys.readouterr().err.splitlines()
+    out = tmp_path / "told"
+    assert train_main(_argv(data, out, "--save-strategy=no", "--save_steps", "1")) == 0
+    assert complete_checkpoints(str(out)) == []
+    assert "note: --save_steps 1 is ignored: save_strategy is 'no' (no checkpoints are saved)" in \
+        capsys.readouterr().err.splitlines()
+
+
+def test_save_schedule_words():
+    """Which trainer words `save_schedule` adds: only for --save_steps over a recipe's "no", from either source."""
+    from hf_loops.training.train_tah2 import save_schedule
+
+    no = {"save_strategy": "no"}
+    assert save_schedule(no, ["--save_steps", "5"], {}) == ["--save_strategy", "steps"]
+    assert save_schedule(no, ["--save-steps=5"], {}) == ["--save_strategy", "steps"]
+    assert save_schedule(no, [], {"save_steps": 5}) == ["--save_strategy", "steps"]  # train(trainer={...})
+    assert save_schedule(no, [], {}) == []  # not asked: the recipe's "no" stands
+    assert save_schedule({"save_steps": 500}, ["--save_steps", "5"], {}) == []  # the recipe saves anyway
+    assert save_schedule(no, ["--save_steps", "5", "--save_strategy", "epoch"], {}) == []  # the user's own choice
