@@ -9,7 +9,7 @@ Per model it measures, on the same examples:
 - greedy-generation exact match of the extracted final answer (GSM8K `#### N` by default);
 - for models that report per-token depth (TaH2): mean and histogram of the depth that produced every answer token,
   continue rate per iteration, mean depth per token class, the decider's accuracy against lookahead labels, and the
-  mean depth of the generated tokens;
+  mean depth of the generated tokens; a plain Qwen3 (what a Standard run saves) is one pass: depth 1 on every token;
 - decode FLOPs per generated token from the architecture's FLOPs accounting (`hf_loops.core.flops_*`; the paper's App. A.4 for TaH2 and Qwen3) and
   measured tokens/s.
 
@@ -248,11 +248,37 @@ def load_model(path: str, dtype=None):
     return model, tokenizer
 
 
-def run_name(model) -> str:
-    """The model's display name in tables (the architecture registry's, e.g. "TaH2 (M=2)", "Standard (M=1)")."""
+def run_name(model, path: str | None = None) -> str:
+    """The model's display name in tables (the architecture registry's, e.g. "TaH2 (M=2)", "Standard (M=1)"). A Qwen3
+    checkpoint that `hf-loops train --arch standard` wrote (its run record says so) is "Standard (M=1)", as the TaH2
+    model it was trained as."""
     from .conversion.registry import display_name
 
+    if path and _one_pass(model) and _trained_arch(path) == "standard":
+        from types import SimpleNamespace
+
+        from .modeling.configuration_tah2 import TAH2_PRESETS
+
+        return display_name(SimpleNamespace(model_type="tah2", **TAH2_PRESETS["standard"]))
     return display_name(model.config)
+
+
+def _trained_arch(path: str) -> str | None:
+    """The `--arch` of the `hf-loops train` run that wrote checkpoint directory `path` (its run_config.json), or None."""
+    from .training.train_tah2 import RUN_CONFIG_FILE
+
+    try:
+        with open(os.path.join(path, RUN_CONFIG_FILE), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    script = record.get("script") if isinstance(record, dict) else None
+    return script.get("arch") if isinstance(script, dict) else None
+
+
+def _one_pass(model) -> bool:
+    """A plain Qwen3 model: no loop, one pass (depth 1) for every token (it reports no `iter_counts`)."""
+    return getattr(model.config, "model_type", None) == "qwen3"
 
 
 def _loop_kwargs(model, max_iterations, exit_threshold, only_supported: bool = False) -> dict:
@@ -294,6 +320,8 @@ def _teacher_forced(model, batch, pad_id, loop_kw):
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **loop_kw)
     logits = out.logits
     depths = getattr(out, "iter_counts", None)
+    if depths is None and _one_pass(model):
+        depths = torch.ones_like(ids)
     probs = getattr(out, "continue_probs", None)
     rows = []
     W = ids.shape[1]
@@ -346,6 +374,8 @@ def _generate(model, tokenizer, prompts, pad_id, stop_ids, max_new_tokens, loop_
         else:
             row["prompt_streams"] = [1] * len(p)
             row["decode_depths"] = [1] * max(n - 1, 0)
+            if _one_pass(model):
+                row["generated_depths"] = [1] * n
         rows.append(row)
     return rows
 
@@ -417,7 +447,7 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
     model.eval()
     loop_kw = _loop_kwargs(model, max_iterations, exit_threshold, only_supported=baseline)
     M = loop_kw.get("max_iterations", getattr(model.config, "max_iterations", 1))
-    label = f"eval {name or run_name(model)}"
+    label = f"eval {name or run_name(model, path)}"
     tokenized = _tokenize_all(tokenizer, examples)
     records, gen_time, gen_tokens = _run_batches(model, tokenizer, tokenized, batch_size, max_new_tokens, loop_kw,
                                                  stop_strings, label, progress)
@@ -426,7 +456,7 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
                  if decider_accuracy and depth_model and M >= 2 else {})
     items = _example_items(model, tokenizer, examples, tokenized, records, answer_regex(answer_pattern), M)
     metrics = _summary(items, gen_time, gen_tokens, M, max_new_tokens, batch_size, depth_model, decisions)
-    result = {"name": name or run_name(model), "model": path, "model_type": model.config.model_type,
+    result = {"name": name or run_name(model, path), "model": path, "model_type": model.config.model_type,
               "architecture": type(model).__name__, "dataset": dataset, "split": split, "metrics": metrics,
               "examples": items}
     if path and os.path.isfile(os.path.join(path, TRAIN_SUMMARY)):

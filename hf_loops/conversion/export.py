@@ -72,7 +72,8 @@ def save_hub_files(model: PreTrainedModel, folder: str, tokenizer=None, safe_ser
                    repo_id: str | None = None, model_card: bool = True, title: str | None = None,
                    training: dict | None = None) -> None:
     """The files of a Hub-ready checkpoint, written into `folder` (the caller makes it atomic): what `export` and
-    `hf-loops train` both write. The saved `config.json` and `generation_config.json` follow one convention
+    `hf-loops train` both write. A looped model gets `auto_map` and its modeling files (`remote_code_saving`); a class
+    transformers ships (a Standard run's `Qwen3ForCausalLM`) is saved as transformers saves it. The saved `config.json` and `generation_config.json` follow one convention
     (`hub_token_ids`) and say `use_cache: true` (training turns the cache off); the model object is left as it was.
     `training`: the facts of a training run for the model card (see `render_model_card`)."""
     saved = (getattr(model, "generation_config", None),
@@ -84,7 +85,9 @@ def save_hub_files(model: PreTrainedModel, folder: str, tokenizer=None, safe_ser
         if pad is not None:
             model.config.pad_token_id = pad
         model.generation_config = _export_generation_config(model, tokenizer, stops, pad)
-        with remote_code_saving(model):
+        # A class transformers ships (the Qwen3ForCausalLM of a Standard run) is saved plain: no auto_map, no code.
+        plain = type(model).__module__.startswith("transformers.")
+        with contextlib.nullcontext(model) if plain else remote_code_saving(model):
             model.save_pretrained(folder, safe_serialization=safe_serialization)
     finally:
         model.generation_config = saved[0]

@@ -33,8 +33,9 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
     params = report.get("params", sum(p.numel() for p in model.parameters()))
     name = repo_id or "path/to/this/checkpoint"
     training = dict(training or {})
+    plain = spec is None  # a model transformers ships (the Qwen3 model of a Standard run): no loop, no remote code
     front = ["---", f"license: {license}", "library_name: transformers", "pipeline_tag: text-generation",
-             "tags:", "- hf_loops", f"- {arch}", "- looped-transformer"]
+             "tags:", "- hf_loops", f"- {arch}"] + ([] if plain else ["- looped-transformer"])
     if training:
         front += ["- trl", "- sft"]
     if _is_hub_id(source):  # a Hub id, not a local path
@@ -44,12 +45,18 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
         front += ["datasets:"] + [f"- {d}" for d in dict.fromkeys(hub_datasets)]
     front += ["---", ""]
     lines = [f"# {title or name.rsplit('/', 1)[-1]}", "",
-             f"**Architecture:** {spec.title if spec is not None else arch} — `model_type: {arch}`, class "
+             f"**Architecture:** {spec.title if spec is not None else {'qwen3': 'Qwen3'}.get(arch, arch)} — "
+             f"`model_type: {arch}`, class "
              f"`{type(model).__name__}`.", ""]
     if paper:
         lines += [f"Paper: *{paper}*, [arXiv:{arxiv}](https://arxiv.org/abs/{arxiv}).", ""]
     lines += [f"**Source checkpoint:** `{source}`" if source else "**Source checkpoint:** (not recorded)", ""]
-    if training:
+    if training and plain:
+        lines += [f"Post-trained with `hf-loops train --arch {training.get('arch', 'standard')}` "
+                  f"(`{training.get('trainer', 'TaH2SFTTrainer')}`, one pass per token: the Standard baseline, M = 1) "
+                  f"and saved as the plain `{type(model).__name__}` it computes: no loop, no remote code. See "
+                  "Training below.", ""]
+    elif training:
         lines += [f"Converted with `hf_loops` (`convert_qwen3`), then post-trained with `hf-loops train` "
                   f"(`{training.get('trainer', 'TaH2SFTTrainer')}`): see Training below.", ""]
     else:
@@ -76,16 +83,18 @@ def render_model_card(model, source: str | None = None, report: dict | None = No
                      f"{report.get('parity_prompts', 'a few')} prompts, dtype {report.get('dtype', '?')}).")
     else:
         lines.append(report.get("parity_note") or "Not measured.")
+    load = (f'model = AutoModelForCausalLM.from_pretrained("{name}")' if plain else
+            f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)  '
+            "# or `import hf_loops` first")
     lines += ["", "## Usage", "", "```python", "import torch",
-              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-              f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)  '
-              "# or `import hf_loops` first",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer", "", load,
               f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
               'ids = tokenizer("Looped transformers think harder on hard tokens.", return_tensors="pt").input_ids',
               "out = model.generate(ids, max_new_tokens=32, do_sample=False)",
               "print(tokenizer.decode(out[0], skip_special_tokens=True))", "```", "",
-              "The modeling code ships with the checkpoint (`trust_remote_code=True`); with `hf_loops` installed and "
-              "imported, its classes are used instead.", "",
+              f"A plain `{type(model).__name__}` checkpoint: transformers loads it without `hf_loops` or remote code."
+              if plain else "The modeling code ships with the checkpoint (`trust_remote_code=True`); with `hf_loops` "
+              "installed and imported, its classes are used instead.", "",
               "## Licence", "",
               f"`{license}` — the licence of the source checkpoint applies to the converted weights.", ""]
     if bibtex:

@@ -565,9 +565,11 @@ def _updater_args(model) -> dict:
             "enable_norm_pre_mlp": cfg.updater_norm_pre_mlp, "enable_norm_out": cfg.updater_norm_out}
 
 
-def _write_backbone(model, directory: str) -> None:
-    """The plain Qwen3 backbone (the same tensors under a Qwen3ForCausalLM built on meta, no copy), with
-    `config.json` also carrying transformers 4.x's rotary keys."""
+def qwen3_backbone(model, drop: tuple[str, ...] = ("updater.", "decider.")):
+    """The plain `Qwen3ForCausalLM` inside a TaH2ForCausalLM: the same tensors (no copy) under the same names, in a
+    Qwen3ForCausalLM built on meta from the architecture fields of `model.config` (its TaH2 loop fields left out),
+    the rotary buffers and generation config taken over. Parameters under the `drop` prefixes are left out; every other
+    one must fill the Qwen3 model exactly (a strict load: no key missing, none left over)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = model.config
@@ -575,13 +577,31 @@ def _write_backbone(model, directory: str) -> None:
     qcfg = Qwen3Config(**fields)
     with torch.device("meta"):
         qwen = Qwen3ForCausalLM(qcfg)
-    backbone = {k: v for k, v in model.state_dict().items() if not k.startswith(("updater.", "decider."))}
+    backbone = {k: v for k, v in model.state_dict().items() if not k.startswith(drop)}
     if qcfg.tie_word_embeddings:
         backbone.pop("lm_head.weight", None)
-    qwen.load_state_dict(backbone, strict=not qcfg.tie_word_embeddings, assign=True)
+    missing, unexpected = qwen.load_state_dict(backbone, strict=False, assign=True)
+    missing = [k for k in missing if not (qcfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"the TaH2 model's parameters do not match a Qwen3ForCausalLM: missing {missing[:5]}, "
+                         f"left over {unexpected[:5]}")
     if qcfg.tie_word_embeddings:
         qwen.tie_weights()
+    own = dict(model.named_buffers())
+    for name, buf in list(qwen.named_buffers()):  # non-persistent (RoPE frequencies): not in the state dict
+        if buf.is_meta and name in own:
+            module, _, attr = name.rpartition(".")
+            qwen.get_submodule(module)._buffers[attr] = own[name]
+    left = [n for n, t in list(qwen.named_parameters()) + list(qwen.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"the TaH2 model does not fill a Qwen3ForCausalLM: {left[:5]} have no tensor")
     qwen.generation_config = model.generation_config
+    return qwen.train(model.training)
+
+
+def _write_backbone(model, directory: str) -> None:
+    """The plain Qwen3 backbone (`qwen3_backbone`), with `config.json` also carrying transformers 4.x's rotary keys."""
+    qwen = qwen3_backbone(model)
     qwen.save_pretrained(directory)
     config_file = os.path.join(directory, "config.json")
     with open(config_file, encoding="utf-8") as f:

@@ -644,15 +644,43 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     if hasattr(final, "merge_and_unload"):
         final = final.merge_and_unload()
     if trainer.args.should_save:
+        trained_config = final.config  # the run record's loop fields: the trained TaH2 model's
+        final, card = standard_as_qwen3(final, args.arch)
         with atomic_output_dir(args.output_dir, "train", merge=True) as tmp:
             # The files `export` writes (one eos convention, use_cache on, the model card), plus the run record.
-            save_hub_files(final, tmp, tokenizer, source=args.base, repo_id=args.push_to_hub,
+            save_hub_files(final, tmp, tokenizer, source=args.base, repo_id=args.push_to_hub, report=card,
                            title=None if args.push_to_hub else os.path.basename(os.path.abspath(args.output_dir)),
                            training=training_facts(trainer, result, args))
-            write_run_record(tmp, trainer, result, args, recipe_given, final.config, argv, fields)
+            write_run_record(tmp, trainer, result, args, recipe_given, trained_config, argv, fields)
     if args.push_to_hub and trainer.args.should_save:
         push_checkpoint(args.output_dir, args.push_to_hub, private=args.private)
     return trainer
+
+
+def standard_as_qwen3(model, arch: str):
+    """(the model to save, the model card's parity report or None). A `--arch standard` run (M = 1) is saved as the
+    `Qwen3ForCausalLM` it computes (`conversion.standard`): the same tensors under the same names, model_type "qwen3",
+    so `--base`, vLLM's native Qwen3 and GGUF converters read it. The modules that never run at M = 1 (updater,
+    decider, core adapter; the preset has none) are dropped, with a note naming them. A standard run given
+    `--max-iterations` > 1 on the command line is a looped model: it stays TaH2, with a note. Other archs: as is."""
+    from ..conversion.standard import NOT_RUN_AT_DEPTH_1, is_one_pass, standard_to_qwen3
+
+    if arch != "standard":
+        return model, None
+    if not is_one_pass(model):
+        print(f"note: --arch standard with max_iterations={model.config.max_iterations} is a looped model: saved as "
+              "TaH2 (model_type 'tah2'), not as Qwen3", file=sys.stderr)
+        return model, None
+    qwen, dropped = standard_to_qwen3(model)
+    modules = sorted({k.split(".", 1)[0] for k in dropped})
+    if dropped:
+        print(f"note: saved as Qwen3ForCausalLM without {', '.join(modules)} ({len(dropped)} tensors): they never run "
+              "at max_iterations=1", file=sys.stderr)
+    note = ("Saved from the trained TaH2 Standard model (max_iterations = 1) as the Qwen3 model it computes: the same "
+            "tensors under the same names, so the logits are that model's exactly"
+            + (f"; left out: {', '.join(f'`{m}`' for m in modules)}, which never run at M = 1." if dropped else
+               f" (it has no {' / '.join(NOT_RUN_AT_DEPTH_1)})."))
+    return qwen, {"parity_note": note}
 
 
 def final_state_dict(trainer):
@@ -834,7 +862,7 @@ def training_facts(trainer, result, args) -> dict:
     evals = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
     if evals:
         metrics.update({k: v for k, v in evals[-1].items() if k.startswith("eval_") and isinstance(v, (int, float))})
-    return {"trainer": type(trainer).__name__, "dataset": args.dataset, "dataset_split": args.dataset_split,
+    return {"trainer": type(trainer).__name__, "arch": args.arch, "dataset": args.dataset, "dataset_split": args.dataset_split,
             "eval_dataset": args.eval_dataset, "eval_split": args.eval_split if args.eval_dataset else None,
             "recipe": args.recipe, "steps": trainer.state.global_step,
             "epochs": round(float(trainer.state.epoch or 0), 4), "hyperparameters": hyper, "metrics": metrics}
@@ -864,7 +892,7 @@ def push_checkpoint(folder: str, repo_id: str, private: bool = False) -> None:
     from ..conversion.hub import push_folder
 
     try:
-        push_folder(folder, repo_id, private=private, commit_message="Upload TaH2 model (hf_loops)",
+        push_folder(folder, repo_id, private=private, commit_message="Upload model (hf-loops train)",
                     ignore_patterns=["checkpoint-*", "checkpoint-*/**", "runs/**"])
     except Exception as err:  # network/auth/offline errors of huggingface_hub have many types
         raise ValueError(f"could not push {folder!r} to the Hub repo {repo_id!r}: {type(err).__name__}: {err}") from err

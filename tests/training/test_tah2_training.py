@@ -50,15 +50,17 @@ def test_train_script_30_steps_loss_falls_and_checkpoint_generates(data, tmp_pat
                     "decider_acc@1", "label_continue_rate@1"):
             assert key in logs[0], key
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(model).__name__ == "TaH2ForCausalLM"
-    assert model.config.max_iterations == (1 if arch == "standard" else 2)
+    # a Standard run (M = 1) is saved as the Qwen3 model it computes (tests/training/test_train_standard.py)
+    assert type(model).__name__ == ("Qwen3ForCausalLM" if arch == "standard" else "TaH2ForCausalLM")
+    assert getattr(model.config, "max_iterations", 1) == (1 if arch == "standard" else 2)
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     ids = tok("Natalia sold clips to 48 of her friends.", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5 or tok.eos_token_id in out[0, ids.shape[1]:].tolist()
+    code = set() if arch == "standard" else {"modeling_tah2.py"}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "modeling_tah2.py"} <= set(os.listdir(tmp_path / "out"))
+            *code} <= set(os.listdir(tmp_path / "out"))
 
 
 @pytest.mark.slow
