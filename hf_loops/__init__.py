@@ -1,13 +1,18 @@
 """hf_loops: looped transformers as Hugging Face `transformers` model plugins.
 
-Importing the package registers every architecture with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`.
+Importing the package checks the installed transformers against the supported range (`hf_loops.core.compat`), then
+registers every architecture with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from .core.compat import check_transformers as _check_transformers
 
-from .modeling.cache_tah2 import TaH2Cache
-from .modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
-from .modeling.modeling_tah2 import TaH2CausalLMOutput, TaH2ForCausalLM, TaH2Model, TaH2PreTrainedModel
+_check_transformers()
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
+
+from .modeling.cache_tah2 import TaH2Cache  # noqa: E402
+from .modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config  # noqa: E402
+from .modeling.modeling_tah2 import TaH2CausalLMOutput, TaH2ForCausalLM, TaH2Model, TaH2PreTrainedModel  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .core.compat import cache_of
 from .core.errors import run_command
 from .core.numbers import check_float, check_int
 from .core.outdir import atomic_output_dir, check_output_dir
@@ -352,7 +353,7 @@ def _generate(model, tokenizer, prompts, pad_id, stop_ids, max_new_tokens, loop_
         kw.update(stop_strings=list(stop_strings), tokenizer=tokenizer)
     out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     seqs = out.sequences[:, ids.shape[1]:]
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    cache = cache_of(out)
     token_depth = getattr(cache, "token_depth", None) if cache is not None else None
     rows = []
     W = ids.shape[1]

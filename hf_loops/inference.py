@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .core.compat import cache_kwargs, cache_of
 from .modeling import loop_utils
 
 
@@ -58,7 +59,7 @@ def generate_with_depths(model, input_ids: torch.Tensor, max_new_tokens: int = 2
     counts = _depths(out)
     prompt_depths = counts[0].tolist() if counts is not None else None
     tokens, depths = [], ([] if counts is not None else None)
-    cache, logits = out.cache, out.logits[:, -1]
+    cache, logits = cache_of(out), out.logits[:, -1]
     last_depth = prompt_depths[-1] if prompt_depths is not None else None
     for _ in range(max_new_tokens):
         if do_sample:
@@ -71,8 +72,8 @@ def generate_with_depths(model, input_ids: torch.Tensor, max_new_tokens: int = 2
             depths.append(int(last_depth))
         if eos_token_id is not None and int(nxt) == eos_token_id:
             break
-        out = model(nxt, cache=cache, use_cache=True, **loop_kwargs)
-        cache, logits = out.cache, out.logits[:, -1]
+        out = model(nxt, use_cache=True, **cache_kwargs(cache), **loop_kwargs)
+        cache, logits = cache_of(out), out.logits[:, -1]
         counts = _depths(out)
         if depths is not None and counts is not None:
             last_depth = int(counts[0, -1])

@@ -7,6 +7,9 @@ This file ships as Hub remote code next to the modeling files: it imports only t
   builds `DynamicCache(config=...)` with exactly `num_hidden_layers` layers; `ensure_cache_slots` extends it in place.
 - `LoopCacheView` maps the layer index a shared `Qwen3DecoderLayer` was built with onto the slot of one iteration.
 - Masks: float additive masks work for both eager and sdpa (a bool mask is *added* to the scores by eager).
+- transformers versions (end of file): the modeling code is written against 5.24's names; the few transformers APIs that
+  moved between 5.19 and 5.24 are imported from here. (The modeling files ship as flat Hub remote code and cannot import
+  `hf_loops.core.compat`, which covers everything outside `modeling/`.)
 """
 
 from __future__ import annotations
@@ -14,11 +17,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
+import inspect
 import sys
 import typing
 
 import torch
+from transformers import masking_utils as _masking
+from transformers import modeling_outputs as _outputs
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.models.qwen3 import modeling_qwen3 as _qwen3
+from transformers.utils.deprecation import deprecate_kwarg
 
 # Keys of a saved config.json that describe the file rather than the architecture (dropped when a config's fields are
 # carried into another config class).
@@ -316,7 +325,7 @@ def check_known_keys(config_class, overrides: dict, what: str = "config field") 
             raise ValueError(f"unknown {config_class.__name__} {what} {key!r}{hint}")
 
 
-def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+def _slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """transformers' `slice_logits_to_keep` (added in 5.20), for older versions: an int keeps the last n positions
     (0 keeps all), a 1-D tensor those positions, a 2-D integer tensor per-row positions, a 2-D bool tensor the True
     positions (flattened)."""
@@ -327,3 +336,90 @@ def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torc
     if isinstance(logits_to_keep, int):
         logits_to_keep = slice(-logits_to_keep, None)
     return hidden_states[:, logits_to_keep, :]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# transformers versions. 5.24 renamed the cache `past_key_values` -> `cache` everywhere at once: the forward keyword
+# (the old one deprecated until 5.40), the mask helpers' parameter, the model outputs' field. The modeling code uses
+# `cache` and imports the five names below from here; under 5.19-5.23 they translate to `past_key_values`, the name
+# that version's `generate`, layers and users pass and read. Detected from the API itself, not from a version number.
+# ----------------------------------------------------------------------------------------------------------------------
+
+CACHE_RENAMED = "cache" in inspect.signature(_masking.create_causal_mask).parameters
+HF_CACHE_KWARG = "cache" if CACHE_RENAMED else "past_key_values"  # what transformers' own layers and helpers take
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep  # 5.20+
+except ImportError:  # 5.19 (vLLM 0.32's pin): our copy of the same slicing
+    slice_logits_to_keep = _slice_logits_to_keep
+
+
+def accepts_cache_kwarg(forward):
+    """A forward taking `cache=` also takes `past_key_values=`: deprecated (a warning) on 5.24+, as transformers' own
+    models do; under 5.19-5.23 it is the name `generate` passes, renamed silently."""
+    if CACHE_RENAMED:
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            value = kwargs.pop("past_key_values")
+            if kwargs.get("cache") is None:
+                kwargs["cache"] = value
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def create_causal_mask(*, cache=None, **kwargs):
+    """transformers' `create_causal_mask`, called with `cache=` on every version."""
+    return _masking.create_causal_mask(**{HF_CACHE_KWARG: cache}, **kwargs)
+
+
+def create_sliding_window_causal_mask(*, cache=None, **kwargs):
+    """transformers' `create_sliding_window_causal_mask`, called with `cache=` on every version."""
+    return _masking.create_sliding_window_causal_mask(**{HF_CACHE_KWARG: cache}, **kwargs)
+
+
+def cache_output(cls):
+    """A `ModelOutput` dataclass whose cache field is `cache` (5.24's name). Under 5.19-5.23 the field is stored as
+    `past_key_values`, the key that version's `generate` reads back, and `cache` stays an alias (keyword and
+    attribute) for our code. `cls` either declares `cache` (our outputs) or `past_key_values` (transformers' own)."""
+    if CACHE_RENAMED:
+        return cls
+    fields = dataclasses.fields(cls)
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                 "cache": property(lambda self: self.past_key_values,
+                                   lambda self, value: setattr(self, "past_key_values", value))}
+    if any(f.name == "cache" for f in fields):
+        spec = [("past_key_values" if f.name == "cache" else f.name, f.type, dataclasses.field(default=f.default))
+                for f in fields]
+        new = dataclasses.make_dataclass(cls.__name__, spec, bases=cls.__bases__, namespace=namespace)
+    else:
+        new = dataclasses.make_dataclass(cls.__name__, [], bases=(cls,), namespace=namespace)
+    init = new.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, cache=None, **kwargs):
+        if cache is not None:
+            kwargs.setdefault("past_key_values", cache)
+        init(self, *args, **kwargs)
+
+    new.__init__ = __init__
+    return new
+
+
+BaseModelOutputWithPast = cache_output(_outputs.BaseModelOutputWithPast)
+CausalLMOutputWithPast = cache_output(_outputs.CausalLMOutputWithPast)
+
+if CACHE_RENAMED:
+    Qwen3DecoderLayer = _qwen3.Qwen3DecoderLayer
+else:
+    class Qwen3DecoderLayer(_qwen3.Qwen3DecoderLayer):
+        """transformers' `Qwen3DecoderLayer` (same parameters, same class name for `_no_split_modules` and FSDP wrap
+        policies) called with `cache=`: before 5.24 the layer reads `past_key_values` and would ignore `cache`."""
+
+        def forward(self, hidden_states, *args, cache=None, **kwargs):
+            if cache is not None or "past_key_values" not in kwargs:
+                kwargs["past_key_values"] = cache
+            return super().forward(hidden_states, *args, **kwargs)

@@ -37,17 +37,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import (
-    create_causal_mask,
-    create_sliding_window_causal_mask,
-)
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-
-try:
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # transformers < 5.20 (the version vLLM pins): our copy of the same slicing
-    from .loop_utils import slice_logits_to_keep
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3Attention,
     Qwen3DecoderLayer,
@@ -57,17 +47,22 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
 )
 from transformers.utils import can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_sgt import SGTConfig
 from .loop_utils import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
     LayerCollector,
     LoopCacheView,
+    accepts_cache_kwarg,
     check_attn_implementation,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
     ensure_cache_slots,
     flex_cpu_guard,
     plain_attention_mask,
     positions_from_mask,
+    slice_logits_to_keep,
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -172,7 +167,7 @@ class SGTAttention(Qwen3Attention):
     def _interface(self):
         return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, probe=None, **kwargs):
         # Step for step Qwen3Attention.forward, so an empty plan reproduces Qwen3 bit for bit.
         input_shape = hidden_states.shape[:-1]
@@ -342,7 +337,7 @@ class SGTDecoderLayer(Qwen3DecoderLayer):
         return out
 
     # --- forward ---------------------------------------------------------------------------------------------------
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, loop_slots=None, probe_rows=None, probe_mask=None, **kwargs):
         """`probe_mask`: the attention mask as a tensor (or None = causal) for the entropy probe, when the attention
@@ -505,7 +500,7 @@ class SGTModel(SGTPreTrainedModel):
         return self.config.block_loop_depth if i in self.config.block_loop_layers else 0
 
     @can_return_tuple
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_attentions=None,
                 **kwargs) -> BaseModelOutputWithPast:
@@ -621,7 +616,7 @@ class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,

@@ -42,27 +42,25 @@ import torch.nn.functional as F
 from transformers import initialization as init
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-
-try:
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # transformers < 5.20 (the version vLLM pins): our copy of the same slicing
-    from .loop_utils import slice_logits_to_keep
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 from transformers.utils import can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_spiralformer import SpiralFormerConfig
 from .loop_utils import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
     LayerCollector,
     LoopCacheView,
+    Qwen3DecoderLayer,
+    accepts_cache_kwarg,
     additive_mask,
     block_mask,
     check_attn_implementation,
     ensure_cache_slots,
     plain_attention_mask,
     positions_from_mask,
+    slice_logits_to_keep,
 )
 
 _NEG = -1.0e30  # finite "−∞" for scores and the empty online-softmax max (keeps exp() exact zeros and no NaNs)
@@ -822,7 +820,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
     # --- forward ------------------------------------------------------------------------------------------------------
 
     @can_return_tuple
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -986,7 +984,7 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -26,20 +26,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPast, ModelOutput
+from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 from transformers.utils import can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 
 from .cache_tah2 import CallStreams, StreamView, TaH2Cache, flat_sequence_ids, iteration_visibility
 from .configuration_tah2 import TaH2Config
 from .generation_tah2 import TaH2GenerationMixin
 from .loop_utils import (
+    BaseModelOutputWithPast,
     LayerCollector,
     LoopCacheView,
+    Qwen3DecoderLayer,
+    accepts_cache_kwarg,
+    cache_output,
     check_loop_knobs,
+    create_causal_mask,
     explicit_mask_backend,
     flex_cpu_guard,
     iteration_mask,
@@ -737,6 +740,7 @@ class _LoopSetup:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+@cache_output
 @dataclass
 class TaH2CausalLMOutput(ModelOutput):
     """Output of `TaH2ForCausalLM`.
@@ -872,7 +876,7 @@ class TaH2Model(TaH2PreTrainedModel):
         return hidden
 
     @can_return_tuple
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(
         self,
         input_ids=None,
@@ -1326,7 +1330,7 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
         return nll / torch.as_tensor(n, device=device).clamp(min=1)
 
     @can_return_tuple
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_kwarg
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 
+from ..core.compat import activation_checkpointing_on
 from ..core.errors import DEBUG_HINT  # noqa: F401  (one hint for every command)
 from ..core.loading import check_tokenizer_fits
 from ..modeling.configuration_tah2 import TAH2_PRESETS
@@ -754,7 +755,7 @@ def fsdp_on_cpu(trainer) -> bool:
     plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args is not None else FullyShardedDataParallelPlugin()
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)  # what accelerate does for FSDP on accelerators
-    if plugin.activation_checkpointing and getattr(trainer.args, "activation_checkpointing", False):
+    if plugin.activation_checkpointing and activation_checkpointing_on(trainer.args):
         # The Trainer's own check on accelerators, which the CPU path skips.
         raise ValueError("FSDP activation checkpointing (fsdp_activation_checkpointing: true) and the "
                          "activation_checkpointing (gradient_checkpointing) training argument cannot both be on; "

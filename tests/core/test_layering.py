@@ -79,8 +79,14 @@ def test_every_part_of_the_package_has_a_floor(graph):
     assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
 
 
+# `import hf_loops` checks the transformers version before it imports anything else (core.compat imports no hf_loops
+# module at import time).
+ALLOWED_UPWARD = {("hf_loops", "hf_loops.core.compat")}
+
+
 def test_no_import_from_a_higher_floor(graph):
-    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if _floor(t) > _floor(m))
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                    if _floor(t) > _floor(m) and (m, t) not in ALLOWED_UPWARD)
     assert upward == [], "\n".join(upward)
 
 

@@ -15,6 +15,7 @@ from transformers import Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from hf_loops import SGTConfig, SGTForCausalLM, SpiralFormerConfig, SpiralFormerForCausalLM
+from hf_loops.core.compat import enable_activation_checkpointing
 from hf_loops.modeling.modeling_sgt import SGTModel
 from hf_loops.modeling.modeling_spiralformer import SpiralFormerModel
 from hf_loops.modeling.modeling_tah2 import TaH2ForCausalLM, TaH2Model
@@ -124,7 +125,7 @@ def test_tah2_lora_with_reentrant_checkpointing_is_exact():
                                                                   init_lora_weights=False))
         model.train()
         if reentrant is not None:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            enable_activation_checkpointing(model, {"use_reentrant": reentrant})
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         grads[reentrant] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert len(grads[None]) == 2 * 3 * 2  # A and B of q/k/v in both layers

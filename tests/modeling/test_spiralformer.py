@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config, Qwen3F
 
 import hf_loops
 from hf_loops import SpiralFormerConfig, SpiralFormerForCausalLM
+from hf_loops.core.compat import cache_of
 from hf_loops.modeling import modeling_spiralformer as msf
 
 VOCAB = 97
@@ -419,8 +420,8 @@ def test_generate_with_cache_equals_without_and_beam_search():
         assert torch.equal(b1, b0)
         out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     layout = model.model.layout
-    assert len(out.cache.layers) == layout.total
-    assert out.cache.get_seq_length() == 9 + 3 - 1  # the last sampled token is not fed back
+    assert len(cache_of(out).layers) == layout.total
+    assert cache_of(out).get_seq_length() == 9 + 3 - 1  # the last sampled token is not fed back
 
 
 @pytest.mark.parametrize("topology", ["mesh", "anchor"])

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen3ForCausalLM
 import hf_loops
 from hf_loops import TaH2Config, TaH2ForCausalLM
 from hf_loops.conversion import convert_qwen3
+from hf_loops.core.compat import cache_kwargs, cache_of
 from hf_loops.modeling.modeling_tah2 import TaH2Decider, TaH2Updater, iteration_visibility
 
 MODES = ["duo", "causal", "same_iter"]
@@ -331,9 +332,9 @@ def test_generate_uses_a_config_sized_cache_in_place():
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(15))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache, return_dict_in_generate=True,
-                             pad_token_id=0)
-    assert out.cache is cache
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, pad_token_id=0,
+                             **cache_kwargs(cache))
+    assert cache_of(out) is cache
     assert len(cache.layers) >= 2 * (model.config.num_hidden_layers + 1)
     assert cache.get_seq_length() == 8  # the last generated token is not fed back
 

@@ -10,6 +10,8 @@ from helpers.tah2_helpers import left_padded_batch, pattern_by_hidden, pattern_b
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from hf_loops.core.compat import cache_of
+
 
 def _constant(p):
     return lambda embeds, hidden=None: torch.full(embeds.shape[:-1], p)
@@ -31,7 +33,7 @@ def _lockstep(model, ids, mask, **kw):
     out = model.generate(ids, attention_mask=mask, continuous_depth=False, return_dict_in_generate=True, **kw)
     assert model._last_decode_mode == "lockstep"
     P = ids.shape[1]
-    return out.sequences, out.cache.token_depth[:, P:]
+    return out.sequences, cache_of(out).token_depth[:, P:]
 
 
 @torch.no_grad()

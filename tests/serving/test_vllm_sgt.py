@@ -1,6 +1,6 @@
 """SGT served by vLLM (CPU, eager) through the hf_loops plugin: greedy tokens and their log-probabilities equal our
 HF `generate` in fp32, under continuous batching, chunked prefill and prefix caching (the engine settings and the
-prompts of the TaH2 tests). Runs in `.venv-vllm` (`make test-vllm`); the reference side runs in the project's Python.
+prompts of the TaH2 tests). Runs in `.venv-vllm` (`make test-vllm`); the reference side runs in the same environment.
 """
 
 import pytest

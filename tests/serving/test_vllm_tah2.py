@@ -1,8 +1,8 @@
 """TaH2 served by vLLM (CPU, eager) through the hf_loops plugin: greedy tokens equal our HF `generate` in fp32.
 
 Runs in `.venv-vllm` (`make test-vllm`); skipped where vLLM is not installed. The reference side (tiny random TaH2
-exports and their HF `generate` tokens) runs in the project's own Python, where transformers >= 5.24 runs TaH2's HF
-forward: `HF_LOOPS_REFERENCE_PYTHON`, default `<repo>/.venv/bin/python`.
+exports and their HF `generate` tokens) runs in a subprocess of the same environment, under vLLM's transformers
+(5.19, inside hf_loops' range), in parallel with the engines: `HF_LOOPS_REFERENCE_PYTHON`, default this Python.
 
 Every model is served with continuous batching (requests arrive while others decode), chunked prefill (a token
 budget of 16 per step, prompts up to 44 tokens) and prefix caching (two prompts share a 40-token prefix; blocks of
@@ -37,7 +37,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM keeps torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-REFERENCE_PYTHON = os.environ.get("HF_LOOPS_REFERENCE_PYTHON", os.path.join(REPO, ".venv", "bin", "python"))
+REFERENCE_PYTHON = os.environ.get("HF_LOOPS_REFERENCE_PYTHON", sys.executable)
 
 _rng = random.Random(0)
 PREFIX = [_rng.randrange(3, 8000) for _ in range(40)]
@@ -88,7 +88,7 @@ class Reference:
 
     def wait(self) -> dict:
         if self.proc is None:
-            pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON, or `make install`)")
+            pytest.skip(f"no reference Python at {REFERENCE_PYTHON} (set HF_LOOPS_REFERENCE_PYTHON)")
         self.proc.wait(timeout=900)
         self.log.flush()
         with open(os.path.join(self.root, "reference.log")) as f:

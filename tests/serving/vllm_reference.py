@@ -1,6 +1,6 @@
-"""Reference side of the vLLM tests, run with the project's own Python (transformers >= 5.24, where TaH2's HF forward
-runs): builds a tiny random TaH2 (or SGT), saves it with the embedded base's tokenizer, and writes our HF `generate`'s greedy
-tokens (fp32) for the given prompts, plus (TaH2) every prompt's per-token executed depths.
+"""Reference side of the vLLM tests, run in the vLLM environment itself (under vLLM's transformers): builds a tiny
+random TaH2 (or SGT), saves it with the embedded base's tokenizer, and writes our HF `generate`'s greedy tokens (fp32)
+for the given prompts, plus (TaH2) every prompt's per-token executed depths.
 
     python tests/serving/vllm_reference.py SPECS.json OUT_DIR
     python tests/serving/vllm_reference.py --score MODEL_DIR SEQUENCES.json OUT.json
