@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from hf_loops import TAH2_PRESETS
-from hf_loops.analysis.flops_tah2 import decode_flops_fixed, decode_flops_standard, decode_flops_tah2
 from hf_loops.conversion import convert_qwen3
+from hf_loops.core.flops_tah2 import decode_flops_fixed, decode_flops_standard, decode_flops_tah2
 
 from .common import (
     Ctx,

@@ -6,7 +6,7 @@ repeats one token, which would make every depth decision the same) and times the
 prefill (`_prefill` returns, device synchronised) to the end of `generate`. TaH2 runs twice, with the default
 continuous-depth loop and with `continuous_depth=False` (lockstep), interleaved with Standard in one run.
 
-Efficiency = (tokens/s ÷ Standard) × (decode FLOPs ÷ Standard), FLOPs from `hf_loops.analysis.flops_tah2` for the
+Efficiency = (tokens/s ÷ Standard) × (decode FLOPs ÷ Standard), FLOPs from `hf_loops.core.flops_tah2` for the
 depths each run realised (the FLOPs bound: 1.0 means the time is what the spec's FLOPs count predicts). Prompts are
 32 tokens (every call prefills, untimed, and a long prefill at batch 32 takes minutes on a CPU).
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_loops.analysis.flops_tah2 import decode_flops_standard, decode_flops_tah2
 from hf_loops.core.compat import cache_of
+from hf_loops.core.flops_tah2 import decode_flops_standard, decode_flops_tah2
 
 from .common import SIZES, Ctx, Row, Size, error_row, interleaved_best, judged, now, random_ids, spread, sync
 from .tah2_decode import M, build_models, calibrate_tau

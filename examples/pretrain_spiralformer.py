@@ -12,7 +12,7 @@ the same schedule, optimizer and precision rule on CPU-sized runs (512-token seq
 options override either. A sequence too short for the coarsest chunk to see 32 latents draws a warning: the
 1/8-resolution loop of SpiralFormer-B at 64 tokens sees 8 latents, and a SpiralFormer-vs-LoopedFormer comparison at
 that length cannot show the paper's gains. The result reports the prefill FLOPs against the paper's {1,1}
-LoopedFormer of the same split (`hf_loops.analysis.flops_spiralformer.compare_to_looped`).
+LoopedFormer of the same split (`hf_loops.core.flops_spiralformer.compare_to_looped`).
 
 Data: every `*.txt` file of `--corpus` (default: the repository's `../shared/data/corpus/`; a single file works too),
 tokenised with the Qwen3 tokenizer, concatenated and cut into fixed-length blocks (causal LM: labels = input_ids).
@@ -248,7 +248,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
-    from hf_loops.analysis.flops_spiralformer import SpiralShape, compare_to_looped
+    from hf_loops.core.flops_spiralformer import SpiralShape, compare_to_looped
 
     args = parse_args(argv)
     warning = short_sequence_warning(args.seq_len, PRESETS[args.preset])

@@ -40,9 +40,9 @@ from .trace import AttentionRecord, Step, Trace, capture_trace
 def flops(model_or_config, prompt_streams, decode_depths, max_iterations=None) -> float:
     """Decode FLOPs of `len(decode_depths)` tokens (per-token depths `decode_depths`) after a prompt whose positions
     kept `prompt_streams` KV streams, for any hf_loops architecture: dispatched through its registry entry's FLOPs
-    module (`flops_tah2`, `flops_spiralformer`, `flops_sgt`); plain Qwen3 gets the Standard formula."""
+    module (`hf_loops.core.flops_tah2`, `flops_spiralformer`, `flops_sgt`); plain Qwen3 gets the Standard formula."""
     from ..conversion.registry import ARCHITECTURES
-    from .flops_tah2 import decode_flops_standard
+    from ..core.flops_tah2 import decode_flops_standard
 
     config = getattr(model_or_config, "config", model_or_config)
     spec = ARCHITECTURES.get(getattr(config, "model_type", ""))

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from .flops_tah2 import decode_flops_tah2
+from ..core.flops_tah2 import decode_flops_tah2
 
 PAPER_CUTOFFS = tuple(range(4096, 16385, 2048))
 EXTENDED_CUTOFFS = (4096, 6144, 8192, 12288, 16384, 20480, 24576, 28672, 32768)

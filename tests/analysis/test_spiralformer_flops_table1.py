@@ -3,7 +3,7 @@ SpiralFormer-B† {1/8, 1/4, 1/2, 1} vs the LoopedFormer† {1, 1} of the same s
 
 import pytest
 
-from hf_loops.analysis import flops_spiralformer as fs
+from hf_loops.core import flops_spiralformer as fs
 
 # SpiralFormer-B† / LoopedFormer† prefill FLOPs in Table 1: 1.48/1.65, 4.11/4.59, 8.95/9.67, 12.92/14.08
 PAPER_RATIOS = {"160M": 0.897, "410M": 0.895, "1B": 0.926, "1.4B": 0.918}

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_loops import TaH2Config
-from hf_loops.analysis.flops_tah2 import (
+from hf_loops.core.flops_tah2 import (
     decode_flops_fixed,
     decode_flops_standard,
     decode_flops_tah2,

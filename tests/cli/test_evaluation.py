@@ -9,8 +9,8 @@ import torch
 from helpers.eval_helpers import PROBLEMS, decisive_tah2, tiny_base, write_problems
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_loops.analysis.flops_tah2 import decode_flops_standard
 from hf_loops.cli import main
+from hf_loops.core.flops_tah2 import decode_flops_standard
 from hf_loops.evaluation import (
     EvalExample,
     evaluate,

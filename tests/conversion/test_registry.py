@@ -62,7 +62,7 @@ def test_no_architecture_branches_outside_the_registry():
 
 def test_one_flops_entry_dispatches_through_the_registry():
     from hf_loops.analysis import flops
-    from hf_loops.analysis.flops_tah2 import decode_flops_standard, decode_flops_tah2
+    from hf_loops.core.flops_tah2 import decode_flops_standard, decode_flops_tah2
 
     torch.manual_seed(0)
     qwen = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=4)).eval()

@@ -16,7 +16,8 @@ from transformers.cache_utils import DynamicCache
 
 import hf_loops  # noqa: F401  (registers the Auto classes)
 from hf_loops import SGTConfig, SGTForCausalLM
-from hf_loops.analysis.flops_sgt import (
+from hf_loops.conversion.export import export
+from hf_loops.core.flops_sgt import (
     block_loop_overhead,
     loop_flops_per_token,
     parameters_of_config,
@@ -24,7 +25,6 @@ from hf_loops.analysis.flops_sgt import (
     sgt_overhead,
     training_overhead,
 )
-from hf_loops.conversion.export import export
 from hf_loops.modeling.modeling_sgt import attention_row_entropy
 
 VOCAB = 97

@@ -566,7 +566,7 @@ def test_registered_names():
 
 
 def test_flops_resolution_factors_and_parameter_formulas():
-    from hf_loops.analysis import flops_spiralformer as fs
+    from hf_loops.core import flops_spiralformer as fs
 
     s_r, s_r2 = fs.resolution_factors([8, 4, 2, 1])
     assert s_r == pytest.approx(1.875) and s_r / 4 == pytest.approx(0.469, abs=1e-3)
@@ -591,7 +591,7 @@ def test_flops_resolution_factors_and_parameter_formulas():
 
 @pytest.mark.parametrize("n0,extra", [(13, 0), (6, 9)])
 def test_kv_memory_formula_matches_cache_bytes(n0, extra):
-    from hf_loops.analysis import flops_spiralformer as fs
+    from hf_loops.core import flops_spiralformer as fs
 
     model = make_model(chunk_sizes=[8, 4, 2, 1], num_hidden_layers=4, num_pre_layers=1, num_loop_layers=2)
     ids = torch.randint(2, VOCAB, (1, n0 + extra))

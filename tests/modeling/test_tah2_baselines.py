@@ -8,8 +8,8 @@ import torch
 from helpers.tah2_helpers import tiny_qwen3
 
 from hf_loops import TAH2_PRESETS, TaH2Config
-from hf_loops.analysis.flops_tah2 import per_call_flops
 from hf_loops.conversion import convert_qwen3
+from hf_loops.core.flops_tah2 import per_call_flops
 from hf_loops.training.tah2_labels import ouro_gate_loss_sum, ouro_gate_targets
 
 
