@@ -30,7 +30,7 @@ def _parse_sets(pairs: list[str]) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from .demo import cmd_demo as run
+    from .demo import demo_command as run
 
     return run(args, getattr(args, "argv", None))
 
@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
 
     from .conversion.checks import check_config_json, check_safetensors_files, load_tokenizer
     from .core.loading import check_tokenizer_fits, load_causal_lm
-    from .inference import check_loop_knobs, generate_with_depths
+    from .inference import check_model_loop_knobs, generate_with_depths
 
     if not args.prompt.strip():
         raise ValueError("--prompt is empty: give some text to continue")
@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
     # Explicit values (0 included) are validated, not dropped; None = the checkpoint's own setting.
     kw = {k: v for k, v in (("max_iterations", args.max_iterations), ("exit_threshold", args.exit_threshold))
           if v is not None}
-    check_loop_knobs(model, kw)
+    check_model_loop_knobs(model, kw)
     ids = tok(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise ValueError(f"--prompt {args.prompt!r} encodes to 0 tokens: give some text to continue")

@@ -29,6 +29,7 @@ import time
 from .core.errors import run_command
 from .core.numbers import check_float, check_int, or_default
 from .core.outdir import check_output_dir
+from .core.readers import read_jsonl
 from .data.arithmetic import class_deep_shares
 from .demo_tasks import (
     ARITHMETIC_TRAINING,
@@ -56,7 +57,6 @@ from .evaluation import (
     load_examples,
     markdown_table,
     output_dir,
-    read_jsonl,
     set_threads,
     write_pictures,
 )
@@ -105,7 +105,7 @@ def _dataset_rows(spec: str, split: str | None) -> list[dict]:
         from .evaluation import parse_split
 
         _, a, b = parse_split(split)
-        rows = read_jsonl(spec)[a:b]
+        rows = read_jsonl(spec, "--dataset")[0][a:b]
         load_examples(spec, split)  # validates every row's fields with a line-accurate message
         return rows
     return [{"prompt": ex.prompt, "completion": ex.completion} for ex in load_examples(spec, split)]
@@ -456,7 +456,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--tokenizer", default=None, help="tokenizer directory (default: bytes)")
 
 
-def cmd_demo(args, argv: list[str] | None = None) -> int:
+def demo_command(args, argv: list[str] | None = None) -> int:
     if args.random:
         # None means "not given"; an explicit 0 is checked (and refused), never replaced by the default
         random_walkthrough(args.prompt, check_int("--max-new-tokens", or_default(args.max_new_tokens, 16), 1),
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_demo_arguments(p)
     args = p.parse_args(argv)
-    return run_command(cmd_demo, args, argv, debug=args.debug)
+    return run_command(demo_command, args, argv, debug=args.debug)
 
 
-__all__ = ["DEMO_TRAINING", "add_demo_arguments", "cmd_demo", "random_walkthrough", "run_demo", "split_rows"]
+__all__ = ["DEMO_TRAINING", "add_demo_arguments", "demo_command", "random_walkthrough", "run_demo", "split_rows"]

@@ -35,7 +35,7 @@ from .core.compat import cache_of
 from .core.errors import run_command
 from .core.numbers import check_float, check_int
 from .core.outdir import atomic_output_dir, check_output_dir
-from .core.readers import read_jsonl as read_rows
+from .core.readers import read_jsonl
 
 # Written into a checkpoint directory by `hf-loops demo` (training time, loss history); `eval` reports it if present.
 TRAIN_SUMMARY = "train_summary.json"
@@ -100,12 +100,6 @@ def _row_to_example(row: dict, where: str) -> EvalExample:
                      f"got {sorted(row)}")
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """Rows of a .jsonl (or a .json list) file; bad bytes, invalid JSON or a row that is not an object are reported
-    with the file and line (`hf_loops.core.readers`)."""
-    return read_rows(path, "--dataset")[0]
-
-
 def looks_like_path(spec: str) -> bool:
     """A local path rather than a Hub id (`owner/name`)."""
     return spec.startswith(("/", ".", "~")) or spec.endswith((".json", ".jsonl")) or spec.count("/") > 1
@@ -117,7 +111,7 @@ def load_examples(spec: str, split: str | None = None) -> list[EvalExample]:
     if looks_like_path(spec) and not os.path.lexists(spec):
         raise ValueError(f"--dataset {spec!r}: no such file")
     if os.path.isfile(spec) or os.path.islink(spec):  # a symlink loop is the file's problem, not the Hub's
-        rows, lines = read_rows(spec, "--dataset")
+        rows, lines = read_jsonl(spec, "--dataset")
         where = (lambda i: f"{spec}:{lines[i]}") if lines else (lambda i: f"{spec}, item {i + 1}")
     else:
         try:
@@ -215,13 +209,6 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
 
 
 # ----------------------------------------------------------------------------------------------------- FLOPs
-def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> float:
-    """Decode FLOPs through the architecture registry (`hf_loops.analysis.flops`)."""
-    from .analysis import flops
-
-    return flops(config, prompt_streams, decode_depths, max_iterations)
-
-
 # ----------------------------------------------------------------------------------------------------- models
 def check_checkpoint_path(path: str) -> None:
     """A checkpoint argument is a directory or a Hub id: a file, or a local-looking path that does not exist, is
@@ -288,7 +275,7 @@ def _loop_kwargs(model, max_iterations, exit_threshold, only_supported: bool = F
     `only_supported`: a baseline's knobs — those it does not take are left out, with a note."""
     import inspect
 
-    from .inference import check_loop_knobs
+    from .inference import check_model_loop_knobs
 
     kw = {k: v for k, v in (("max_iterations", max_iterations), ("exit_threshold", exit_threshold)) if v is not None}
     if only_supported:
@@ -298,7 +285,7 @@ def _loop_kwargs(model, max_iterations, exit_threshold, only_supported: bool = F
             print(f"note: the {model.config.model_type!r} baseline has no {', '.join(dropped)}; evaluated as is",
                   file=sys.stderr)
         kw = {k: v for k, v in kw.items() if k in accepted}
-    check_loop_knobs(model, kw)
+    check_model_loop_knobs(model, kw)
     return kw
 
 
@@ -513,7 +500,10 @@ def _decider_decisions(model, tokenized, loop_kw, label, progress) -> dict:
 
 
 def _example_items(model, tokenizer, examples, tokenized, records, rx, M) -> list[dict]:
-    """One JSON record per example: the answer's NLL (and depths), the generation, its answer and decode FLOPs."""
+    """One JSON record per example: the answer's NLL (and depths), the generation, its answer and decode FLOPs (through
+    the architecture registry, `hf_loops.analysis.flops`)."""
+    from .analysis import flops
+
     special = set(tokenizer.all_special_ids)
     items = []
     for k, (ex, (_p, a), rec) in enumerate(zip(examples, tokenized, records, strict=True)):
@@ -531,7 +521,7 @@ def _example_items(model, tokenizer, examples, tokenized, records, rx, M) -> lis
             "answer_tokens": [tokenizer.decode([t]) for t in a],
             "answer_special": [t in special for t in a],
             "answer_nll": rec["nll"],
-            "decode_flops": decode_flops(model.config, gen["prompt_streams"], gen["decode_depths"], M),
+            "decode_flops": flops(model.config, gen["prompt_streams"], gen["decode_depths"], M),
             "decode_positions": len(gen["decode_depths"]),
         }
         if "depths" in rec:
@@ -857,5 +847,5 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(cmd_eval, args, argv, debug=args.debug)
 
 
-__all__ = ["EvalExample", "comparison_rows", "decode_flops", "evaluate", "extract_answer",
+__all__ = ["EvalExample", "comparison_rows", "evaluate", "extract_answer",
            "load_examples", "load_model", "tokenize_example", "write_eval"]

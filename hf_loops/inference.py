@@ -19,7 +19,7 @@ class DepthTrace:
     prompt_depths: list[int] | None  # executed depth of every prompt token (prefill cascade), or None
 
 
-def check_loop_knobs(model, loop_kwargs: dict) -> None:
+def check_model_loop_knobs(model, loop_kwargs: dict) -> None:
     """Per-call loop knobs: explicit values (0 included) are validated, never dropped. A knob the model's forward
     does not take → `ValueError` naming it and the model type."""
     import inspect
@@ -53,7 +53,7 @@ def generate_with_depths(model, input_ids: torch.Tensor, max_new_tokens: int = 2
         raise ValueError("the prompt is empty (0 tokens): give at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    check_loop_knobs(model, loop_kwargs)
+    check_model_loop_knobs(model, loop_kwargs)
     model.eval()
     out = model(input_ids, use_cache=True, logits_to_keep=1, **loop_kwargs)
     counts = _depths(out)

@@ -429,14 +429,14 @@ def device_defaults(recipe: dict, rest: list[str]) -> list[str]:
     return ["--bf16", "true"]
 
 
-def check_output_dir(path: str, overwrite: bool, resume: str | None) -> None:
+def check_train_output_dir(path: str, overwrite: bool, resume: str | None) -> None:
     """Refuse a non-empty --output-dir unless --overwrite-output-dir or --resume-from-checkpoint is given (changes
     nothing); a file, or a location that cannot be written, is refused too (`core.outdir.check_output_dir`)."""
-    from ..core.outdir import check_output_dir as check
+    from ..core.outdir import check_output_dir
 
-    check(path, "--output-dir", overwrite=overwrite or resume is not None,
-          hint="; pass --overwrite-output-dir to clear it, --resume-from-checkpoint to continue its run, or choose a "
-               "new directory")
+    check_output_dir(path, "--output-dir", overwrite=overwrite or resume is not None,
+                     hint="; pass --overwrite-output-dir to clear it, --resume-from-checkpoint to continue its run, "
+                          "or choose a new directory")
 
 
 def clear_output_dir(path: str) -> None:
@@ -582,7 +582,7 @@ def _train(args, rest: list[str], argv: list[str], fields: dict, trainer_fields:
     from .tah2_trainer import TaH2SFTTrainer
     from .token_budget import apply_token_budget, pop_token_budget
 
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_train_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     recipe_file = load_recipe(args.recipe)
     recipe = {**recipe_file, **(trainer_fields or {})}  # Python values over the recipe file's
     recipe_given = dict(recipe)
@@ -906,7 +906,7 @@ def _run_locked(argv: list[str]) -> None:
     from ..core.outdir import run_output_lock
 
     args, _ = build_parser(model_fields()).parse_known_args(argv)
-    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    check_train_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     with run_output_lock(args.output_dir, "--output-dir"):
         run(argv)
 

@@ -14,7 +14,7 @@ from hf_loops.analysis.trace import _adapter_for, capture_trace
 from hf_loops.conversion import convert_qwen3
 from hf_loops.conversion.registry import ARCHITECTURES
 from hf_loops.core.trace_adapters import PlainTraceAdapter
-from hf_loops.inference import check_loop_knobs as inference_knobs
+from hf_loops.inference import check_model_loop_knobs
 from hf_loops.modeling.configuration_tah2 import TaH2Config
 from hf_loops.modeling.loop_utils import check_loop_knobs
 
@@ -71,7 +71,7 @@ def test_config_forward_and_inference_refuse_a_bad_knob_with_the_one_message(m, 
                     expected), expected
     knobs = {k: v for k, v in (("max_iterations", m), ("exit_threshold", tau)) if v is not None}
     assert _message(lambda: model(ids, **knobs)) == expected
-    assert _message(lambda: inference_knobs(model, knobs)) == expected
+    assert _message(lambda: check_model_loop_knobs(model, knobs)) == expected
     assert _message(lambda: TaH2Config(**knobs)) == "TaH2Config." + expected
 
 
@@ -82,7 +82,7 @@ def test_good_knobs_pass_everywhere_in_a_seeded_sweep():
     for _ in range(6):
         m, tau = rng.randint(1, 4), rng.uniform(0.01, 0.99)
         check_loop_knobs(m, tau)
-        inference_knobs(model, {"max_iterations": m, "exit_threshold": tau})
+        check_model_loop_knobs(model, {"max_iterations": m, "exit_threshold": tau})
         assert TaH2Config(max_iterations=m, exit_threshold=tau).max_iterations == m
         with torch.no_grad():
             out = model(ids, max_iterations=m, exit_threshold=tau, use_cache=False)
