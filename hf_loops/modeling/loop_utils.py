@@ -501,7 +501,8 @@ class LoopedContinuousBatchingMixin:
     models and unsupported attention implementations raise a one-line `ValueError` before any manager exists.
     The manager's automatic switch to flash attention is turned off (see `PAGED_ATTENTION_IMPLEMENTATIONS`)."""
 
-    def continuous_batching_refusal(self) -> str | None:
+    @classmethod
+    def continuous_batching_refusal(cls, config) -> str | None:
         return None
 
     def paged_cache_layer_types(self) -> list[str]:
@@ -513,7 +514,7 @@ class LoopedContinuousBatchingMixin:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         name = type(self).__name__
-        reason = self.continuous_batching_refusal()
+        reason = self.continuous_batching_refusal(self.config)
         if reason is not None:
             raise ValueError(f"{name} cannot run under transformers' continuous batching: {reason}")
         impl = self.config._attn_implementation

@@ -1059,9 +1059,10 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     # -- continuous batching (transformers' paged cache) ---------------------------------------------------------------
-    def continuous_batching_refusal(self) -> str | None:
+    @classmethod
+    def continuous_batching_refusal(cls, config) -> str | None:
         """Why transformers' continuous batching cannot run this configuration (None: it can, see `_forward_paged`)."""
-        cfg = self.config
+        cfg = config
         if cfg.loop_span is not None:
             return ("the Huginn-style core loop (loop_span) is not mapped onto paged cache slots; serve it without "
                     "continuous batching")
@@ -1071,8 +1072,6 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
         if cfg.decision_mode == "sample":
             return ("decision_mode='sample' draws the continue decisions per token, which a batch of interleaved "
                     "requests cannot reproduce; use decision_mode='threshold'")
-        if cfg.updater == "learned" and self.updater is None and cfg.max_iterations > 1:
-            return "this checkpoint has no learned updater"
         return None
 
     def paged_cache_layer_types(self) -> list[str]:
@@ -1085,7 +1084,7 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
         `PagedAttentionCache`. Each depth m runs the whole backbone for every token at stream m − 1 (see
         `_PagedStreams`); the depth steps, decisions and mixture are `forward`'s own (`_depth_step`, `_accumulate`)."""
         cfg = self.config
-        reason = self.continuous_batching_refusal()
+        reason = self.continuous_batching_refusal(self.config)
         if reason is not None:
             raise ValueError(f"TaH2ForCausalLM cannot run under transformers' continuous batching: {reason}")
         mask = plain_attention_mask(attention_mask)
@@ -1097,7 +1096,8 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
         _, Q, _ = embeds.shape
         device = embeds.device
         valid = torch.ones(1, Q, dtype=torch.bool, device=device)
-        keep = keep_positions(logits_to_keep, Q, device)
+        # The batch's logits indices may repeat a position (a request whose chunk needs no logits points at 0).
+        keep, repeat = torch.unique(keep_positions(logits_to_keep, Q, device).long(), return_inverse=True)
         kept_slot = torch.full((Q,), -1, dtype=torch.long, device=device)
         kept_slot[keep] = torch.arange(keep.numel(), device=device)
         position_ids = position_ids.view(1, Q)
@@ -1130,7 +1130,7 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
             x_next = self._next_input(step.embeds.index_select(0, idx), step.hidden.index_select(0, idx), logits)
             x = x.index_put((torch.zeros_like(t), t), x_next.to(x.dtype))
             alive = torch.zeros_like(alive).index_fill(0, t, True)
-        logits = mixture.log_probs(depth[None, keep])
+        logits = mixture.log_probs(depth[None, keep])[:, repeat]
         return TaH2CausalLMOutput(logits=logits, iter_counts=depth[None], rows_per_depth=None)
 
 
