@@ -445,6 +445,20 @@ except ImportError:  # pragma: no cover  (every supported transformers has it)
 PAGED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "paged|eager")
 
 
+def _paged_eager_updates_the_cache() -> bool:
+    """Before 5.24 (5.19 at least), `paged|eager` updates the paged cache itself, at the module's own `layer_idx`, so
+    a loop's call cannot use its own slot: there only sdpa runs looped models under continuous batching."""
+    try:
+        from transformers.integrations.eager_paged import eager_paged_attention_forward
+
+        return "cache.update(" in inspect.getsource(eager_paged_attention_forward)
+    except (ImportError, OSError, TypeError):  # pragma: no cover
+        return True
+
+
+PAGED_EAGER_UPDATES_CACHE = _paged_eager_updates_the_cache()
+
+
 def is_paged_cache(cache) -> bool:
     """Is `cache` transformers' continuous-batching cache (the one `generate_batch` hands the model)?"""
     return PagedAttentionCache is not None and isinstance(cache, PagedAttentionCache)
@@ -518,6 +532,10 @@ class LoopedContinuousBatchingMixin:
         if reason is not None:
             raise ValueError(f"{name} cannot run under transformers' continuous batching: {reason}")
         impl = self.config._attn_implementation
+        if PAGED_EAGER_UPDATES_CACHE and impl != "sdpa":
+            raise ValueError(f"{name} runs under continuous batching with attn_implementation 'sdpa' on this "
+                             f"transformers (its paged eager attention writes the cache at the module's own layer "
+                             f"index, not a loop's slot), got {impl!r}: load the model with attn_implementation='sdpa'")
         if impl not in PAGED_ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"{name} runs under continuous batching with attn_implementation 'sdpa' or 'eager', got "
                              f"{impl!r}: load the model with attn_implementation='sdpa'")

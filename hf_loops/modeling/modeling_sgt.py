@@ -434,8 +434,9 @@ class SGTPreTrainedModel(PreTrainedModel):
     per forward call and shared by every layer, loop and cache slot; CPU and GPU) and "flash_attention_2": every SGT
     attention call, loops included, uses the call's plain causal + padding mask (position_ids for packed sequences),
     which is exactly what flash-attention takes. flash_attention_2 needs the `flash_attn` package and has not been run
-    here (no GPU); flash_attention_3/4 and paged attention raise a `ValueError` at load / `set_attn_implementation`
-    (see `_check_attn`). The entropy probe of the growth phase builds its own tensor mask when the
+    here (no GPU); flash_attention_3/4 and paged kernels other than "paged|eager" (what continuous batching switches
+    eager to) raise a `ValueError` at load / `set_attn_implementation` (see `_check_attn`). Under transformers'
+    continuous batching every loop writes its own paged slot (`SGTForCausalLM.paged_cache_layer_types`). The entropy probe of the growth phase builds its own tensor mask when the
     backend's mask is not one.
     """
 
