@@ -73,7 +73,7 @@ def looped_model_manager():
     return LoopedModelManager
 
 
-def check_model(model: str, continuous_batching: bool) -> None:
+def check_model(model: str, continuous_batching: bool, attn_implementation: str | None = None) -> None:
     """A bad DIR or a setting the model cannot serve: one-line `ValueError` before the server starts."""
     from transformers import AutoConfig
 
@@ -93,6 +93,9 @@ def check_model(model: str, continuous_batching: bool) -> None:
         if reason is not None:
             raise ValueError(f"--continuous-batching cannot serve {model_type}: {reason}; serve without "
                              "--continuous-batching (each request then runs the model's own generate)")
+        if attn_implementation not in (None, "sdpa", "eager"):
+            raise ValueError(f"--continuous-batching serves {model_type} with --attn-implementation sdpa or eager, "
+                             f"got {attn_implementation!r} (docs/serving.md, continuous batching)")
 
 
 def serve(args, non_blocking: bool = False):
@@ -104,7 +107,7 @@ def serve(args, non_blocking: bool = False):
 
     if not is_serve_available():
         raise ValueError("serving needs FastAPI, uvicorn, pydantic and openai: pip install 'hf_loops[serve]'")
-    check_model(args.model, args.continuous_batching)
+    check_model(args.model, args.continuous_batching, args.attn_implementation)
     if args.chat_template_kwargs is not None:
         try:
             kwargs = json.loads(args.chat_template_kwargs)

@@ -240,3 +240,12 @@ def test_served_with_continuous_batching_answers_like_greedy_generate(arch, tmp_
         server.kill_server()
 
 # SpiralFormer refused by `hf-loops serve --continuous-batching`: tests/serving/test_http_serve.py.
+
+
+def test_serve_refuses_flash_with_continuous_batching_in_one_line(tmp_path):
+    from hf_loops.serving.http import check_model
+
+    folder = exported("sgt", tmp_path / "sgt")
+    check_model(folder, True)  # served
+    one_line_error(lambda: check_model(folder, True, "flash_attention_2"),
+                   "--continuous-batching serves sgt with --attn-implementation sdpa or eager")
