@@ -423,3 +423,130 @@ else:
             if cache is not None or "past_key_values" not in kwargs:
                 kwargs["past_key_values"] = cache
             return super().forward(hidden_states, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve
+# --continuous-batching`). Its `PagedAttentionCache` gives one paged slot to each of `config.num_hidden_layers` layers
+# (grouped by `config.layer_types`); a looped model needs one per (iteration, layer) or per extra attention call. The
+# model declares the layer types of all its slots (`paged_cache_layer_types`) and the manager's cache is sized from a
+# config view that presents them as layers (`PagedSlotsConfig`); each attention call then updates the cache with its
+# own slot index, as it does with `DynamicCache`. Same API in 5.19 and 5.24.
+# ----------------------------------------------------------------------------------------------------------------------
+
+try:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+except ImportError:  # pragma: no cover  (every supported transformers has it)
+    PagedAttentionCache = None
+
+# Attention implementations a looped model runs under continuous batching: those whose paged path computes the K/V
+# read-back from the cache and takes the batch's explicit mask (flash's block-table fast path writes the cache inside
+# the kernel, with the layer's own head layout, and has no mask for cross-iteration visibility).
+PAGED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "paged|eager")
+
+
+def _paged_eager_updates_the_cache() -> bool:
+    """Before 5.24 (5.19 at least), `paged|eager` updates the paged cache itself, at the module's own `layer_idx`, so
+    a loop's call cannot use its own slot: there only sdpa runs looped models under continuous batching."""
+    try:
+        from transformers.integrations.eager_paged import eager_paged_attention_forward
+
+        return "cache.update(" in inspect.getsource(eager_paged_attention_forward)
+    except (ImportError, OSError, TypeError):  # pragma: no cover
+        return True
+
+
+PAGED_EAGER_UPDATES_CACHE = _paged_eager_updates_the_cache()
+
+
+def is_paged_cache(cache) -> bool:
+    """Is `cache` transformers' continuous-batching cache (the one `generate_batch` hands the model)?"""
+    return PagedAttentionCache is not None and isinstance(cache, PagedAttentionCache)
+
+
+def paged_update(cache, key_states, value_states, slot: int, paged_kwargs: dict):
+    """Write this call's K/V to paged slot `slot` and read back the batch's keys/values of that slot (past + new, in
+    the layout of the batch's attention mask). `paged_kwargs` (the continuous-batching keywords of the model call:
+    read/write indices, cumulative lengths) is copied: the cache narrows its copy to the slot's layer group."""
+    return cache.update(key_states, value_states, slot, dict(paged_kwargs))
+
+
+class PagedSlotsConfig:
+    """A read-only view of a model config that presents one layer per paged cache slot (`layer_types`, one entry per
+    slot) to transformers' continuous-batching manager and cache; everything else is the model's config."""
+
+    def __init__(self, config, layer_types):
+        self.__dict__["_config"] = config
+        self.__dict__["layer_types"] = list(layer_types)
+        self.__dict__["num_hidden_layers"] = len(layer_types)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_config"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["_config"], name, value)
+
+    def get_text_config(self, *args, **kwargs):
+        return self
+
+
+class PagedModelView:
+    """The model as a continuous-batching manager holds it: the same module (calls, attributes, attention switches go
+    to it), whose `config` is a `PagedSlotsConfig` so the manager's paged cache has every slot the model writes."""
+
+    def __init__(self, model, config: PagedSlotsConfig):
+        self.__dict__["_model"] = model
+        self.__dict__["config"] = config
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_model"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["_model"], name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self.__dict__["_model"](*args, **kwargs)
+
+
+class LoopedContinuousBatchingMixin:
+    """`init_continuous_batching` (and so `generate_batch`, `continuous_batching_context_manager`, `transformers serve
+    --continuous-batching`) for a looped model. The model says why it cannot be served (`continuous_batching_refusal`,
+    a one-line reason or None) and the layer type of every paged slot it writes (`paged_cache_layer_types`); refused
+    models and unsupported attention implementations raise a one-line `ValueError` before any manager exists.
+    The manager's automatic switch to flash attention is turned off (see `PAGED_ATTENTION_IMPLEMENTATIONS`)."""
+
+    @classmethod
+    def continuous_batching_refusal(cls, config) -> str | None:
+        return None
+
+    def paged_cache_layer_types(self) -> list[str]:
+        raise NotImplementedError
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
+        import copy
+
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        name = type(self).__name__
+        reason = self.continuous_batching_refusal(self.config)
+        if reason is not None:
+            raise ValueError(f"{name} cannot run under transformers' continuous batching: {reason}")
+        impl = self.config._attn_implementation
+        if PAGED_EAGER_UPDATES_CACHE and impl != "sdpa":
+            raise ValueError(f"{name} runs under continuous batching with attn_implementation 'sdpa' on this "
+                             f"transformers (its paged eager attention writes the cache at the module's own layer "
+                             f"index, not a loop's slot), got {impl!r}: load the model with attn_implementation='sdpa'")
+        if impl not in PAGED_ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"{name} runs under continuous batching with attn_implementation 'sdpa' or 'eager', got "
+                             f"{impl!r}: load the model with attn_implementation='sdpa'")
+        if continuous_batching_config is None:
+            legacy = getattr(generation_config if generation_config is not None else self.generation_config,
+                             "continuous_batching_config", None)
+            continuous_batching_config = legacy if isinstance(legacy, ContinuousBatchingConfig) else None
+        cb_config = copy.copy(continuous_batching_config) if continuous_batching_config is not None \
+            else ContinuousBatchingConfig()
+        cb_config.auto_switch_to_flash = False
+        manager = super().init_continuous_batching(generation_config, cb_config, *args, **kwargs)
+        if not isinstance(manager.model, PagedModelView):
+            manager.model = PagedModelView(self, PagedSlotsConfig(self.config, self.paged_cache_layer_types()))
+        return manager

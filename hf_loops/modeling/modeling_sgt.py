@@ -54,12 +54,15 @@ from .loop_utils import (
     CausalLMOutputWithPast,
     LayerCollector,
     LoopCacheView,
+    LoopedContinuousBatchingMixin,
     accepts_cache_kwarg,
     check_attn_implementation,
     create_causal_mask,
     create_sliding_window_causal_mask,
     ensure_cache_slots,
     flex_cpu_guard,
+    is_paged_cache,
+    paged_update,
     plain_attention_mask,
     positions_from_mask,
     slice_logits_to_keep,
@@ -205,7 +208,9 @@ class SGTAttention(Qwen3Attention):
         v = self.v_proj(normed).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:
+        if cache is not None and is_paged_cache(cache):
+            k, v = paged_update(cache, k, v, slot, kwargs)
+        elif cache is not None:
             k, v = cache.update(k, v, slot)
         if probe is not None:
             probe(q, k, self.num_key_value_groups, None)
@@ -254,7 +259,9 @@ class SGTAttention(Qwen3Attention):
         v = proj(self.v_proj, kv_sel).view(b, t, n_kv, d).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:
+        if cache is not None and is_paged_cache(cache):
+            k, v = self._paged_loop_update(cache, k, v, slot, kwargs)
+        elif cache is not None:
             k, v = cache.update(k, v, slot)
         if kv_groups is None:  # kept heads spread unevenly over κ(S): one kv head per kept query head
             k, v, kv_groups = k.index_select(1, kv_of_head), v.index_select(1, kv_of_head), 1
@@ -268,6 +275,16 @@ class SGTAttention(Qwen3Attention):
         if gate is not None:
             out = out * gate.to(out.dtype)[None, None, :, None]
         return F.linear(out.reshape(b, t, len(heads) * d), _take(self.o_proj.weight, q_sel, 1), self.o_proj.bias)
+
+
+    def _paged_loop_update(self, cache, k, v, slot, kwargs):
+        """A sliced loop's K/V (κ(S) kv heads) in transformers' paged cache, whose pages hold every kv head: the
+        kept heads fill the first κ(S) head rows, zeros the rest, and the read-back returns the first κ(S) rows."""
+        n_kv, missing = k.shape[1], self.config.num_key_value_heads - k.shape[1]
+        if missing:
+            k, v = (F.pad(t, (0, 0, 0, 0, 0, missing)) for t in (k, v))
+        k, v = paged_update(cache, k, v, slot, kwargs)
+        return (k[:, :n_kv], v[:, :n_kv]) if missing else (k, v)
 
 
 class SGTDecoderLayer(Qwen3DecoderLayer):
@@ -388,15 +405,15 @@ class SGTDecoderLayer(Qwen3DecoderLayer):
 # Attention backends SGT runs on. Every attention call of SGT (first pass, head loops, Block Loop repeats, with or
 # without cache) uses the plain causal mask of the call (+ padding, packed documents, sliding window), so any backend
 # that takes transformers' standard masks works; the loop cache slots always hold as many positions as the base cache.
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "paged|eager")
 # Backends whose mask is a tensor (or None = causal) that the entropy probe can read directly.
 _TENSOR_MASK_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 def _check_attn(impl) -> None:
     check_attn_implementation(impl, "SGT", ATTENTION_IMPLEMENTATIONS, needs_mask_function=True,
-                              reason="paged attention cannot hold the loop cache slots; other flash kernels are not "
-                                     "verified")
+                              reason="'paged|eager' is what continuous batching switches eager to; other flash "
+                                     "and paged kernels are not verified")
 
 
 class _ConfigWithAttention:
@@ -417,8 +434,9 @@ class SGTPreTrainedModel(PreTrainedModel):
     per forward call and shared by every layer, loop and cache slot; CPU and GPU) and "flash_attention_2": every SGT
     attention call, loops included, uses the call's plain causal + padding mask (position_ids for packed sequences),
     which is exactly what flash-attention takes. flash_attention_2 needs the `flash_attn` package and has not been run
-    here (no GPU); flash_attention_3/4 and paged attention raise a `ValueError` at load / `set_attn_implementation`
-    (see `_check_attn`). The entropy probe of the growth phase builds its own tensor mask when the
+    here (no GPU); flash_attention_3/4 and paged kernels other than "paged|eager" (what continuous batching switches
+    eager to) raise a `ValueError` at load / `set_attn_implementation` (see `_check_attn`). Under transformers'
+    continuous batching every loop writes its own paged slot (`SGTForCausalLM.paged_cache_layer_types`). The entropy probe of the growth phase builds its own tensor mask when the
     backend's mask is not one.
     """
 
@@ -513,12 +531,13 @@ class SGTModel(SGTPreTrainedModel):
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
+        paged = is_paged_cache(cache)  # continuous batching: its paged cache, with use_cache=False
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if not use_cache:
+        if not use_cache and not paged:
             cache = None
         slots, num_slots = self._loop_slots()
-        if cache is not None:
+        if cache is not None and not paged:
             ensure_cache_slots(cache, num_slots)
 
         length = inputs_embeds.shape[1]
@@ -602,7 +621,7 @@ class SGTModel(SGTPreTrainedModel):
         return hidden_states
 
 
-class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
+class SGTForCausalLM(LoopedContinuousBatchingMixin, SGTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
@@ -615,6 +634,13 @@ class SGTForCausalLM(SGTPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def paged_cache_layer_types(self) -> list[str]:
+        """Continuous batching: the layer type of every cache slot (the layers, then one slot per loop or Block Loop
+        repeat, as `SGTModel._loop_slots` numbers them), for transformers' paged cache."""
+        slots, _ = self.model._loop_slots()
+        types = list(self.config.layer_types)
+        return types + [types[i] for i, layer_slots in enumerate(slots) for _ in layer_slots]
 
     @accepts_cache_kwarg
     @can_return_tuple

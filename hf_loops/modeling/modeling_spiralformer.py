@@ -52,6 +52,7 @@ from .loop_utils import (
     CausalLMOutputWithPast,
     LayerCollector,
     LoopCacheView,
+    LoopedContinuousBatchingMixin,
     Qwen3DecoderLayer,
     accepts_cache_kwarg,
     additive_mask,
@@ -969,7 +970,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
+class SpiralFormerForCausalLM(LoopedContinuousBatchingMixin, SpiralFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.
@@ -982,6 +983,12 @@ class SpiralFormerForCausalLM(SpiralFormerPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def continuous_batching_refusal(cls, config) -> str | None:
+        return ("its looped layers attend over chunk latents (one entry per completed chunk of tokens, rewritten as "
+                "the chunk fills), which transformers' paged cache (one entry per token and layer) cannot hold; use "
+                "generate")
 
     @can_return_tuple
     @accepts_cache_kwarg

@@ -38,14 +38,18 @@ from .loop_utils import (
     BaseModelOutputWithPast,
     LayerCollector,
     LoopCacheView,
+    LoopedContinuousBatchingMixin,
     Qwen3DecoderLayer,
     accepts_cache_kwarg,
+    additive_mask,
     cache_output,
     check_loop_knobs,
     create_causal_mask,
     explicit_mask_backend,
     flex_cpu_guard,
+    is_paged_cache,
     iteration_mask,
+    paged_update,
     plain_attention_mask,
     positions_from_mask,
     sequence_ids_from_positions,
@@ -735,6 +739,95 @@ class _LoopSetup:
     use_cache: bool  # return the cache
 
 
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Continuous batching: the KV streams in transformers' paged cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _PagedStreams:
+    """TaH2's KV streams in transformers' `PagedAttentionCache` (continuous batching), for one forward call.
+
+    Paged slot `stream * L + layer` holds stream `stream` of layer `layer` for every token of the batch (the paged
+    cache is dense: one entry per token per slot). Persisted streams: stream 0 only in "causal" mode (earlier tokens'
+    deeper states are never visible: a deeper query sees stream 0 and its own deeper states of this call), every
+    stream otherwise. An adaptive model (a token may stop before depth M) with deeper streams persisted also keeps a
+    metadata slot (`stream = P`, layer 0): each token's executed depth, written into the key rows, so a token that
+    stopped at depth m exposes none of its (never computed) stream >= m entries — the visibility `generate` applies.
+
+    Every depth runs every token of the batch (the paged cache writes each slot for the whole batch); the outputs of
+    a token that stopped are discarded and its deeper entries masked, so the tokens that run get what our `forward`
+    and `generate` compute."""
+
+    def __init__(self, cache, paged_kwargs: dict, config, base_mask: torch.Tensor, dtype: torch.dtype):
+        self.cache = cache
+        self.kwargs = paged_kwargs
+        self.L = config.num_hidden_layers
+        self.mode = config.iteration_attention
+        self.num_kv = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.base = base_mask if base_mask.dtype != torch.bool else additive_mask(base_mask, dtype)
+        self.neg = torch.finfo(self.base.dtype).min
+        self.reads: dict[tuple[int, int], tuple] = {}  # (stream, layer) -> (keys, values) read back this call
+        self.own: dict[tuple[int, int], tuple] = {}  # causal mode: (stream, layer) -> this call's new deeper K/V
+        self.key_depth: torch.Tensor | None = None  # (K,) executed depth of every key (metadata slot read-back)
+
+    @staticmethod
+    def num_slots(config) -> int:
+        persisted = 1 if config.iteration_attention == "causal" else config.max_iterations
+        adaptive_deeper = persisted > 1 and config.decider not in ("always", "never")
+        return persisted * config.num_hidden_layers + (1 if adaptive_deeper else 0)
+
+    def write_depths(self, depth: torch.Tensor, config) -> None:
+        """Metadata slot: the depth each token of the batch has executed so far (its final depth once it stops)."""
+        if _PagedStreams.num_slots(config) % self.L == 0:
+            return
+        rows = depth.to(self.base.dtype).view(1, 1, -1, 1).expand(1, self.num_kv, depth.numel(), self.head_dim)
+        keys, _ = paged_update(self.cache, rows, rows, self.num_slots(config) - 1, self.kwargs)
+        self.key_depth = keys[0, 0, :, 0]
+
+    def mask(self, stream: int) -> torch.Tensor:
+        """The additive (1, 1, Q, keys) mask of depth `stream + 1`, in the key order `update` returns."""
+        if self.mode == "causal":
+            if stream == 0:
+                return self.base
+            q = self.base.shape[-2]
+            own = additive_mask(torch.eye(q, dtype=torch.bool, device=self.base.device), self.base.dtype)
+            return torch.cat([self.base] + [own[None, None]] * stream, dim=-1)
+        streams = [stream] if self.mode == "same_iter" else list(range(stream + 1))
+        parts = []
+        for j in streams:
+            if j == 0 or self.key_depth is None:
+                parts.append(self.base)
+            else:
+                parts.append(torch.where(self.key_depth > j, self.base, torch.full_like(self.base, self.neg)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def update(self, stream: int, key_states, value_states, layer_idx: int):
+        if self.mode == "causal" and stream > 0:
+            self.own[(stream, layer_idx)] = (key_states, value_states)
+            parts = [self.reads[(0, layer_idx)]] + [self.own[(j, layer_idx)] for j in range(1, stream + 1)]
+        else:
+            self.reads[(stream, layer_idx)] = paged_update(self.cache, key_states, value_states,
+                                                           stream * self.L + layer_idx, self.kwargs)
+            if self.mode == "duo":
+                parts = [self.reads[(j, layer_idx)] for j in range(stream + 1)]
+            else:
+                return self.reads[(stream, layer_idx)]
+        return torch.cat([k for k, _ in parts], dim=-2), torch.cat([v for _, v in parts], dim=-2)
+
+
+class _PagedDepthView:
+    """`cache=` object of the shared layers while they run one depth under continuous batching."""
+
+    def __init__(self, streams: _PagedStreams, stream: int):
+        self.streams = streams
+        self.stream = stream
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.streams.update(self.stream, key_states, value_states, layer_idx)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------------------
@@ -920,7 +1013,7 @@ class TaH2Model(TaH2PreTrainedModel):
         )
 
 
-class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: continuous-depth decoding
+class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2GenerationMixin):  # continuous depth
     # Layout of the deeper depths of a training objective: "auto" = flat (varlen, `_Packing.flat_of`) where it costs
     # fewer FLOPs than per-row padding (`_flat_is_cheaper`), "flat", or "per_row". The same values up to float rounding
     # (tests compare the two).
@@ -964,6 +1057,82 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             return load_official_tah2(cls.config_class, super().from_pretrained, pretrained_model_name_or_path,
                                       allow_pickle=allow_pickle, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    # -- continuous batching (transformers' paged cache) ---------------------------------------------------------------
+    @classmethod
+    def continuous_batching_refusal(cls, config) -> str | None:
+        """Why transformers' continuous batching cannot run this configuration (None: it can, see `_forward_paged`)."""
+        cfg = config
+        if cfg.loop_span is not None:
+            return ("the Huginn-style core loop (loop_span) is not mapped onto paged cache slots; serve it without "
+                    "continuous batching")
+        if cfg.decider == "exit_gate":
+            return ("the Ouro exit gate's Q-exit and copied exit K/V are not mapped onto paged cache slots; serve it "
+                    "without continuous batching")
+        if cfg.decision_mode == "sample":
+            return ("decision_mode='sample' draws the continue decisions per token, which a batch of interleaved "
+                    "requests cannot reproduce; use decision_mode='threshold'")
+        return None
+
+    def paged_cache_layer_types(self) -> list[str]:
+        return ["full_attention"] * _PagedStreams.num_slots(self.config)
+
+    def _forward_paged(self, input_ids, position_ids, cache, attention_mask, inputs_embeds, logits_to_keep,
+                       paged_kwargs) -> TaH2CausalLMOutput:
+        """One continuous-batching step (`generate_batch`, `transformers serve --continuous-batching`): the batch's
+        tokens laid end to end in one row (1, Q), transformers' block-diagonal causal mask, `cache` its
+        `PagedAttentionCache`. Each depth m runs the whole backbone for every token at stream m − 1 (see
+        `_PagedStreams`); the depth steps, decisions and mixture are `forward`'s own (`_depth_step`, `_accumulate`)."""
+        cfg = self.config
+        reason = self.continuous_batching_refusal(self.config)
+        if reason is not None:
+            raise ValueError(f"TaH2ForCausalLM cannot run under transformers' continuous batching: {reason}")
+        mask = plain_attention_mask(attention_mask)
+        if not torch.is_tensor(mask) or mask.dim() != 4:
+            raise ValueError("TaH2 under continuous batching needs the batch's explicit attention mask: load the model "
+                             "with attn_implementation='sdpa' or 'eager'")
+        M, tau = self._loop_knobs(None, None)
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        _, Q, _ = embeds.shape
+        device = embeds.device
+        valid = torch.ones(1, Q, dtype=torch.bool, device=device)
+        # The batch's logits indices may repeat a position (a request whose chunk needs no logits points at 0).
+        keep, repeat = torch.unique(keep_positions(logits_to_keep, Q, device).long(), return_inverse=True)
+        kept_slot = torch.full((Q,), -1, dtype=torch.long, device=device)
+        kept_slot[keep] = torch.arange(keep.numel(), device=device)
+        position_ids = position_ids.view(1, Q)
+        run = _LoopSetup(
+            max_iterations=M, exit_threshold=tau, embeds=embeds, valid=valid, attention_mask=None,
+            position_ids=position_ids, seq_ids=None, token_index=torch.arange(Q, device=device)[None], cache=None,
+            past=0, streams=None, targets=None, keep=keep, kept_slot=kept_slot,
+            all_kept=isinstance(logits_to_keep, int) and logits_to_keep == 0, full_logits=True, synchronise=False,
+            use_cache=False)
+        streams = _PagedStreams(cache, paged_kwargs, cfg, mask, embeds.dtype)
+        backbone = self.model
+        pos_emb = backbone.rotary_emb(embeds, position_ids)
+        mixture = StoppingWeightedMixture(cfg.mixture, 1, Q, keep.numel(), device)
+        x, alive = embeds, valid[0]
+        depth = torch.zeros(Q, dtype=torch.long, device=device)
+        for m in range(1, M + 1):
+            depth = depth + alive.long()
+            streams.write_depths(depth, cfg)
+            h = backbone.norm(backbone.run_layers(x, streams.mask(m - 1), position_ids, pos_emb,
+                                                  _PagedDepthView(streams, m - 1)))
+            step = self._depth_step(run, m, h, _Packing.everything(alive[None]))
+            self._accumulate(run, step, mixture, None)
+            if step.last:
+                break
+            idx = step.cont.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                break
+            t = step.time_index.index_select(0, idx)
+            logits = step.logits.index_select(0, idx) if step.logits is not None else None
+            x_next = self._next_input(step.embeds.index_select(0, idx), step.hidden.index_select(0, idx), logits)
+            x = x.index_put((torch.zeros_like(t), t), x_next.to(x.dtype))
+            alive = torch.zeros_like(alive).index_fill(0, t, True)
+        logits = mixture.log_probs(depth[None, keep])[:, repeat]
+        return TaH2CausalLMOutput(logits=logits, iter_counts=depth[None], rows_per_depth=None)
+
 
     # -- the pieces of one iteration: updater (Eq. 9) and decider (Eq. 10) -------------------------------------------
     def _next_input(self, embeds, hidden, logits):
@@ -1362,6 +1531,13 @@ class TaH2ForCausalLM(TaH2PreTrainedModel, TaH2GenerationMixin):  # generate: co
             depth's attention, with its cross-iteration keys, comes from `hf_loops.analysis.capture_trace`).
         `logits` are the mixture's log-probabilities (Qwen3's raw logits when M = 1).
         """
+        if is_paged_cache(cache):  # transformers' continuous batching (generate_batch, serve --continuous-batching)
+            if labels is not None:
+                raise ValueError("labels are not supported with transformers' paged (continuous-batching) cache")
+            paged_kwargs = {k: kwargs[k] for k in ("read_index", "write_index", "cu_seq_lens_k", "max_length_k")
+                            if k in kwargs}
+            return self._forward_paged(input_ids, position_ids, cache, attention_mask, inputs_embeds, logits_to_keep,
+                                       paged_kwargs)
         run = self._setup_loop(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
                                kwargs.pop("shift_labels", None), use_cache, logits_to_keep, max_iterations,
                                exit_threshold, return_mixture_logits, return_loop_records)

@@ -6,9 +6,11 @@ transformers' model manager picks the model class by name in the `transformers` 
 which does not hold our classes; here the manager resolves our architectures through `AutoModelForCausalLM` (where
 `import hf_loops` registered them) and leaves every other model to transformers. Nothing else is changed.
 
-Continuous batching (`--continuous-batching`) is refused at start: transformers' paged-attention cache holds one slot
-per layer, while a looped model keeps one per (iteration, layer), so generation through it fails for all three
-architectures. Without it, each request runs the model's own `generate` with its own cache."""
+Continuous batching (`--continuous-batching`): transformers' paged-attention manager batches the requests of SGT and
+TaH2 (every depth and loop gets its own paged cache slots: the models present them to the manager as extra layers,
+see `LoopedContinuousBatchingMixin` in hf_loops/modeling/loop_utils.py); SpiralFormer and the TaH2 variants the paged
+cache cannot hold (Huginn-style core loop, Ouro exit gate, sampled decisions) are refused at start in one line.
+Without it, each request runs the model's own `generate` with its own cache."""
 
 from __future__ import annotations
 
@@ -33,7 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["eager", "sdpa", "flex_attention", "flash_attention_2"],
                    help="attention implementation (default: the checkpoint's)")
     p.add_argument("--continuous-batching", action="store_true",
-                   help="transformers' paged-attention batching: refused for looped models (see the README)")
+                   help="transformers' paged-attention batching: SGT and TaH2 (not SpiralFormer; docs/serving.md)")
+    p.add_argument("--cb-num-blocks", type=int, default=None, metavar="N",
+                   help="continuous batching: paged cache capacity in blocks (default: from the free memory)")
+    p.add_argument("--cb-max-batch-tokens", type=int, default=None, metavar="N",
+                   help="continuous batching: tokens per batch (default: transformers')")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='default keywords of apply_chat_template, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--enable-cors", action="store_true", help="permissive CORS headers (browser clients)")
@@ -67,7 +73,7 @@ def looped_model_manager():
     return LoopedModelManager
 
 
-def check_model(model: str, continuous_batching: bool) -> None:
+def check_model(model: str, continuous_batching: bool, attn_implementation: str | None = None) -> None:
     """A bad DIR or a setting the model cannot serve: one-line `ValueError` before the server starts."""
     from transformers import AutoConfig
 
@@ -78,13 +84,18 @@ def check_model(model: str, continuous_batching: bool) -> None:
     if not os.path.exists(model) and model.count("/") != 1:
         raise ValueError(f"{model!r} is neither a checkpoint directory nor a Hub id (owner/name)")
     try:
-        model_type = AutoConfig.from_pretrained(model).model_type
+        config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read the config of {model!r}: {' '.join(str(err).split())[:300]}") from None
+    model_type = config.model_type
     if continuous_batching and model_type in ARCHITECTURES:
-        raise ValueError(f"--continuous-batching cannot serve {model_type}: transformers' paged-attention cache has "
-                         "one slot per layer, a looped model needs one per iteration and layer; serve without "
-                         "--continuous-batching (each request then runs the model's own generate)")
+        reason = ARCHITECTURES[model_type].model_class.continuous_batching_refusal(config)
+        if reason is not None:
+            raise ValueError(f"--continuous-batching cannot serve {model_type}: {reason}; serve without "
+                             "--continuous-batching (each request then runs the model's own generate)")
+        if attn_implementation not in (None, "sdpa", "eager"):
+            raise ValueError(f"--continuous-batching serves {model_type} with --attn-implementation sdpa or eager, "
+                             f"got {attn_implementation!r} (docs/serving.md, continuous batching)")
 
 
 def serve(args, non_blocking: bool = False):
@@ -96,7 +107,7 @@ def serve(args, non_blocking: bool = False):
 
     if not is_serve_available():
         raise ValueError("serving needs FastAPI, uvicorn, pydantic and openai: pip install 'hf_loops[serve]'")
-    check_model(args.model, args.continuous_batching)
+    check_model(args.model, args.continuous_batching, args.attn_implementation)
     if args.chat_template_kwargs is not None:
         try:
             kwargs = json.loads(args.chat_template_kwargs)
@@ -111,9 +122,12 @@ def serve(args, non_blocking: bool = False):
     # gets transformers' class back.
     original = model_manager.ModelManager
     model_manager.ModelManager = looped_model_manager()
+    cb_sizes = {name: value for name, value in (("cb_num_blocks", args.cb_num_blocks),
+                                                ("cb_max_batch_tokens", args.cb_max_batch_tokens)) if value is not None}
     try:
         return serve_cli.Serve(
-            force_model=args.model, continuous_batching=False, attn_implementation=args.attn_implementation,
+            force_model=args.model, continuous_batching=args.continuous_batching,
+            attn_implementation=args.attn_implementation, **cb_sizes,
             compile=False, chat_template_kwargs=args.chat_template_kwargs, device=args.device,
             dtype=args.dtype, trust_remote_code=args.trust_remote_code, host=args.host, port=args.port,
             enable_cors=args.enable_cors, log_level=args.log_level, default_seed=args.default_seed,

@@ -68,7 +68,8 @@ def padded_batch():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attn", ["flash_attention_3", "paged|eager", "no_such_kernel"])
+# "paged|eager" is allowed: continuous batching switches eager to it (tests/serving/test_continuous_batching.py)
+@pytest.mark.parametrize("attn", ["flash_attention_3", "paged|sdpa", "no_such_kernel"])
 def test_unsupported_attn_implementation_raises(attn):
     with pytest.raises(ValueError, match=r"attn_implementation=.*allowed values: 'eager', 'sdpa', 'flex_attention'"):
         SGTForCausalLM(SGTConfig(**BASE, loop_plan=PLAN, attn_implementation=attn))
@@ -96,7 +97,7 @@ def test_custom_attention_function_needs_a_mask_function_too():
 
 
 def test_supported_backends_load():
-    assert ATTENTION_IMPLEMENTATIONS == ("eager", "sdpa", "flex_attention", "flash_attention_2")
+    assert ATTENTION_IMPLEMENTATIONS == ("eager", "sdpa", "flex_attention", "flash_attention_2", "paged|eager")
     for attn in ("eager", "sdpa", "flex_attention"):
         assert make(attn=attn).config._attn_implementation == attn
     try:  # flash_attention_2 is allowed by SGT: without flash-attn installed only transformers' own check fails

@@ -2,7 +2,8 @@
 `AutoModelForCausalLM`. A tiny exported model of each architecture is served on 127.0.0.1 (a free port); a chat
 completion and a streamed one must give the tokens of greedy `generate` on the same chat prompt. Each is served by
 `serve(..., non_blocking=True)` in this process; TaH2 also through the real command line (a child process).
-Two concurrent requests get the same answers. `--continuous-batching` is refused in one line; every request and the server's start are bounded by timeouts."""
+Two concurrent requests get the same answers. `--continuous-batching` (tests/serving/test_continuous_batching.py) is
+refused in one line for SpiralFormer; every request and the server's start are bounded by timeouts."""
 
 import argparse
 import json
@@ -135,14 +136,15 @@ def test_served_model_answers_like_greedy_generate(arch, tmp_path):
         server.kill_server()
 
 
-def test_continuous_batching_is_refused_in_one_line(tmp_path, capsys):
+def test_continuous_batching_is_refused_in_one_line_for_spiralformer(tmp_path, capsys):
+    """SGT and TaH2 are served with --continuous-batching (tests/serving/test_continuous_batching.py)."""
     from hf_loops.cli import main
 
-    folder = exported("tah2", tmp_path / "tah2")
+    folder = exported("spiralformer", tmp_path / "spiralformer")
     capsys.readouterr()  # the export's progress bars
     assert main(["serve", folder, "--continuous-batching", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--continuous-batching cannot serve tah2" in err[0]
+    assert len(err) == 1 and "--continuous-batching cannot serve spiralformer" in err[0]
     assert "serve without --continuous-batching" in err[0]
 
 
