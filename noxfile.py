@@ -36,7 +36,7 @@ MATRIX = {
 # tests on TaH2 (M = 1, 2), SpiralFormer and SGT; TaH2 forward / cache / generate; the ecosystem paths (PEFT,
 # checkpointing, TP plans, assisted decoding); convert -> save -> reload (package and remote code) -> generate; TRL:
 # TaH2SFTTrainer runs (30 steps, resume, LoRA merge) whose checkpoints load by remote code and generate, TRL's stock
-# trainers on our models.
+# trainers on our models; transformers' continuous batching (`generate_batch` == `generate`) for SGT and TaH2.
 SUBSET = [
     "tests/core/test_compat.py",
     "tests/modeling/test_transformers_common.py",
@@ -47,6 +47,7 @@ SUBSET = [
     "tests/training/test_tah2_training.py",
     "tests/training/test_trl_stock_trainers.py",
     "tests/training/test_train_cli.py",
+    "tests/serving/test_continuous_batching.py",
 ]
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
