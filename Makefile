@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e ".[train,dev,plot,serve]"
+	$(BIN)/pip install -e ".[train,dev,plot,serve,quant]"
 	touch $(STAMP)
 
 install: $(STAMP)
