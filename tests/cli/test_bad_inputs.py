@@ -271,11 +271,19 @@ def _hf_loops(*argv, cwd, timeout=120):
                           text=True, timeout=timeout)
 
 
+def third_party_import_notice(line: str) -> bool:
+    """Lines torchao 0.18 (the `quant` extra) writes when transformers imports it on a CPU machine, before any
+    hf_loops code runs: one per CUDA-only kernel library it cannot load, and torch's pytree deprecation notice per
+    enum it registers (docs/quantization.md). Everything else on stderr counts."""
+    return ((line.startswith("Failed to load ") and "torchao" in line)
+            or ("_pytree.py" in line and "register_constant()" in line))
+
+
 @pytest.mark.slow
 def test_console_bad_input_is_one_stderr_line_and_exit_code_2(w):
     res = _hf_loops("convert", w["base"], "--arch", "tah2", "--out", str(w["root"] / "a_file"), cwd=w["root"])
     assert res.returncode == 2
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    lines = [line for line in res.stderr.splitlines() if line.strip() and not third_party_import_notice(line)]
     assert len(lines) == 1 and lines[0].startswith("error: --out") and "is a file" in lines[0], res.stderr
 
 
