@@ -149,7 +149,7 @@ def write_sft(path: str, rows: Sequence[dict]) -> str:
     return path
 
 
-def write_splits(out_dir: str, sizes: dict[str, int], seed: int = 0, spec: DepthTaskSpec | None = None
+def write_depth_splits(out_dir: str, sizes: dict[str, int], seed: int = 0, spec: DepthTaskSpec | None = None
                  ) -> dict[str, str]:
     """`make_split` for each split in `sizes` ({split: n}), written as `<out_dir>/<split>.jsonl`; also
     `<split>.labels.jsonl` (the difficulty labels, one list per line). Returns {split: path}."""
@@ -181,4 +181,4 @@ def level_stats(items: Sequence[dict]) -> dict[str, dict]:
 
 
 __all__ = ["COPY", "SPLITS", "DepthTaskSpec", "level_stats", "make_split", "reaches", "render", "split_of",
-           "token_labels", "write_sft", "write_splits"]
+           "token_labels", "write_sft", "write_depth_splits"]

@@ -75,7 +75,7 @@ def test_token_labels():
 
 
 def test_write_splits(tmp_path):
-    paths = D.write_splits(str(tmp_path), {"train": 5, "validation": 3}, seed=0)
+    paths = D.write_depth_splits(str(tmp_path), {"train": 5, "validation": 3}, seed=0)
     rows = [json.loads(line) for line in open(paths["train"])]
     assert len(rows) == 5 and set(rows[0]) == {"question", "answer"}
     labels = [json.loads(line) for line in open(tmp_path / "validation.labels.jsonl")]
