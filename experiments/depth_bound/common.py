@@ -46,17 +46,20 @@ class Encoder:
         self.mid = ids("<|im_end|>\n<|im_start|>assistant\n")
         self.char = {c: ids(c)[0] for c in "0123456789+="}
         self.line = ids("\n#### ")
-        self.end = ids("<|im_end|>")
+        # TRL's conversational prompt/completion supervises everything after the prompt: the end of turn AND the
+        # template's newline after it. A base that never learned that newline gives it a ~14-nat depth-2 gain
+        # (measured), which then captures the lookahead labels' coverage cutoff.
+        self.end = ids("<|im_end|>\n")
         self.eos = self.end[0]
 
     def encode(self, row: dict) -> tuple[list[int], list[int], list[str]]:
-        """(prompt ids, answer ids ending with <|im_end|>, the difficulty label of each answer id)."""
+        """(prompt ids, answer ids ending with <|im_end|> and a newline, the difficulty label of each answer id)."""
         q, ans, labels = row["question"], row["answer"], row["labels"]
         head, tail = ans.split("\n#### ")
         prompt = self.user + [self.char[c] for c in q] + self.mid
         answer = [self.char[c] for c in head] + self.line + [self.char[c] for c in tail] + self.end
         n_line = len(self.line)
-        lab = labels[:len(head)] + [D.COPY] * n_line + labels[len(head) + len("\n#### "):] + [D.COPY]
+        lab = labels[:len(head)] + [D.COPY] * n_line + labels[len(head) + len("\n#### "):] + [D.COPY] * len(self.end)
         return prompt, answer, lab
 
     def check(self, rows) -> None:
