@@ -96,3 +96,28 @@ def test_profile_generate_ops_counts_the_decode_only(monkeypatch, capsys):
     calls = int(std.split(" calls")[0].rsplit(" ", 1)[1])
     assert calls > 0 and calls % 4 == 0  # 4 decode forwards (new − 1), the same matmuls each
     assert "TaH2's matmuls run at" in out.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_quick_quantized_rows(tmp_path, monkeypatch):
+    """`python -m bench quant` (docs/quantization.md) at --quick: every arch × scheme gets its NLL row, and TaH2 and
+    SpiralFormer their speed rows, well formed; NLL rows on the embedded base keep their stated bounds (int8 1 %,
+    int4 3 %)."""
+    pytest.importorskip("torchao", reason="the quant extra (torchao) is not installed")
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.cli import main
+
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        main(["quant", "--quick", "--repeats", "1", "--threads", str(threads), "--out", str(tmp_path), "--stem", "q"])
+    rows = json.loads((tmp_path / "q.json").read_text())["rows"]
+    names = [r["name"] for r in rows]
+    for arch in ("tah2", "spiralformer", "sgt"):
+        for scheme in ("int8", "int4"):
+            assert f"{arch} {scheme} NLL ÷ fp32" in names, names
+    for arch in ("tah2", "spiralformer"):
+        assert any(n.startswith(f"{arch} int8 generate tokens/s") for n in names), names
+    for r in rows:
+        assert r["met"] in {"yes", "no", "reported", "error"} and (r["measured"] is None) == (r["met"] == "error"), r
+    nll = [r for r in rows if "NLL ÷ fp32" in r["name"]]
+    assert all(r["met"] == "yes" for r in nll), [(r["name"], r["measured"]) for r in nll]
