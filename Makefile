@@ -5,6 +5,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is pinned so a CPU machine takes the CPU build that lies on local disk (a bare `torch` pulls a CUDA build).
 TORCH_SPEC ?= torch==2.13.0
+# The newest tested transformers / TRL / PEFT / accelerate (hf_loops.core.compat.TESTED_TRANSFORMERS[-1]; the older
+# ones run in `make test-matrix`), so `make test` runs on the versions it was last passed on, not on whatever the
+# registry published since. `make test PINS=` installs the newest releases instead.
+PINS ?= transformers==5.25.0 trl==1.16.0 peft==0.21.2 accelerate==1.16.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-vllm test-matrix lint clean
@@ -13,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e ".[train,dev,plot,serve,quant]"
+	$(BIN)/pip install -e ".[train,dev,plot,serve,quant]" $(PINS)
 	touch $(STAMP)
 
 install: $(STAMP)

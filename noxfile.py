@@ -10,7 +10,8 @@ already holds a supported transformers must not replace it. It then runs the com
 
 The lowest row carries the lowest versions of TRL, PEFT and accelerate that pyproject.toml declares, the newest row
 the newest releases; transformers 5.19 is also the version vLLM's CPU build pins (`make test-vllm` runs its own
-environment with the vLLM tests). hf_loops.core.compat.TESTED_TRANSFORMERS and the README list the same versions.
+environment with the vLLM tests). hf_loops.core.compat.TESTED_TRANSFORMERS and the README list these versions and the main environment's
+(`make test`, the Makefile's PINS: the newest tested).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ MATRIX = {
     "5.19": {"transformers": "5.19.0", "trl": "1.16.0", "peft": "0.21.0", "accelerate": "1.10.1"},
     # a middle one
     "5.22": {"transformers": "5.22.2", "trl": "1.16.0", "peft": "0.21.2", "accelerate": "1.16.0"},
-    # newest installable here (5.25.0 needs kernels>=0.19.1,<0.20, which this registry lacks), newest of the rest
+    # the newest before 5.25 (whose serving moved models into processes of their own), newest of the rest; 5.25.0
+    # itself is the main environment's (`make test`, the Makefile's PINS)
     "5.24": {"transformers": "5.24.0", "trl": "1.16.0", "peft": "0.21.2", "accelerate": "1.16.0"},
 }
 

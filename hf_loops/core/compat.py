@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 # Declared in pyproject.toml (`dependencies`); tests/core/test_compat.py checks that the two agree.
 TRANSFORMERS_SPEC = ">=5.19,<5.40"
 # What the compatibility matrix (noxfile.py) runs; the README's "Tested versions" table lists the same.
-TESTED_TRANSFORMERS = ("5.19.0", "5.22.2", "5.24.0")
+TESTED_TRANSFORMERS = ("5.19.0", "5.22.2", "5.24.0", "5.25.0")
 
 
 class UntestedTransformersWarning(UserWarning):
@@ -91,3 +91,11 @@ def enable_activation_checkpointing(model, kwargs: dict | None = None) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def serve_loads_models_in_their_own_process() -> bool:
+    """True on transformers >= 5.25, whose `transformers serve` loads each model in a spawned process with a copy of
+    its `ModelLoader` (and has no non-blocking mode); before, a `ModelManager` loaded it in the server's process."""
+    from transformers.cli.serving import model_manager
+
+    return hasattr(model_manager, "ModelLoader")

@@ -2,8 +2,8 @@
 `/health`; streaming included) for a looped checkpoint, through transformers' own `transformers serve` machinery
 (FastAPI + uvicorn).
 
-transformers' model manager picks the model class by name in the `transformers` module (`config.architectures[0]`),
-which does not hold our classes; here the manager resolves our architectures through `AutoModelForCausalLM` (where
+transformers' model manager (from 5.25: its model loader, `model_loader.py`) picks the model class by name in the
+`transformers` module (`config.architectures[0]`), which does not hold our classes; here the manager resolves our architectures through `AutoModelForCausalLM` (where
 `import hf_loops` registered them) and leaves every other model to transformers. Nothing else is changed.
 
 Continuous batching (`--continuous-batching`): transformers' paged-attention manager batches the requests of SGT and
@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+from ..core.compat import serve_loads_models_in_their_own_process
 from ..core.errors import run_command
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no authentication
@@ -100,7 +101,7 @@ def check_model(model: str, continuous_batching: bool, attn_implementation: str 
 
 def serve(args, non_blocking: bool = False):
     """Start the server for `args` (from `add_arguments`). Blocks until it stops, unless `non_blocking` (then returns
-    transformers' `Serve`, whose `kill_server()` stops it)."""
+    an object whose `kill_server()` stops it: transformers' `Serve` before 5.25, a `ServerProcess` from 5.25)."""
     from transformers.utils.import_utils import is_serve_available
 
     import hf_loops  # noqa: F401  (registers our classes with the Auto classes)
@@ -118,22 +119,57 @@ def serve(args, non_blocking: bool = False):
     from transformers.cli import serve as serve_cli
     from transformers.cli.serving import model_manager
 
-    # `Serve` imports ModelManager from its module while it is built: our subclass is what it finds, then the module
-    # gets transformers' class back.
-    original = model_manager.ModelManager
-    model_manager.ModelManager = looped_model_manager()
     cb_sizes = {name: value for name, value in (("cb_num_blocks", args.cb_num_blocks),
                                                 ("cb_max_batch_tokens", args.cb_max_batch_tokens)) if value is not None}
+    settings = dict(force_model=args.model, continuous_batching=args.continuous_batching,
+                    attn_implementation=args.attn_implementation, **cb_sizes, compile=False,
+                    chat_template_kwargs=args.chat_template_kwargs, device=args.device, dtype=args.dtype,
+                    trust_remote_code=args.trust_remote_code, host=args.host, port=args.port,
+                    enable_cors=args.enable_cors, log_level=args.log_level, default_seed=args.default_seed)
+    if not serve_loads_models_in_their_own_process():
+        # `Serve` imports ModelManager from its module while it is built: our subclass is what it finds, then the
+        # module gets transformers' class back.
+        original = model_manager.ModelManager
+        model_manager.ModelManager = looped_model_manager()
+        try:
+            return serve_cli.Serve(**settings, non_blocking=non_blocking)
+        finally:
+            model_manager.ModelManager = original
+    if non_blocking:  # transformers >= 5.25 serves in the foreground only: the server runs in a process of its own
+        return ServerProcess(args)
+    from .model_loader import LoopedModelLoader
+
+    # `Serve` builds its `ModelLoader` from the module while it is built, then pickles it into the model's process
+    original = model_manager.ModelLoader
+    model_manager.ModelLoader = LoopedModelLoader
     try:
-        return serve_cli.Serve(
-            force_model=args.model, continuous_batching=args.continuous_batching,
-            attn_implementation=args.attn_implementation, **cb_sizes,
-            compile=False, chat_template_kwargs=args.chat_template_kwargs, device=args.device,
-            dtype=args.dtype, trust_remote_code=args.trust_remote_code, host=args.host, port=args.port,
-            enable_cors=args.enable_cors, log_level=args.log_level, default_seed=args.default_seed,
-            non_blocking=non_blocking)
+        serve_cli.Serve(**settings)
     finally:
-        model_manager.ModelManager = original
+        model_manager.ModelLoader = original
+
+
+def _serve_in_the_foreground(args) -> None:
+    """What a `ServerProcess` runs (by this name: `serve` itself may be wrapped in the parent, e.g. by tests)."""
+    serve(args)
+
+
+class ServerProcess:
+    """A server started by `serve(args, non_blocking=True)` on transformers >= 5.25: `serve(args)` in a spawned
+    process (its model in a process of that one's); `kill_server()` stops both, as `Serve.kill_server()` did."""
+
+    def __init__(self, args):
+        import multiprocessing
+
+        self.process = multiprocessing.get_context("spawn").Process(target=_serve_in_the_foreground, args=(args,),
+                                                                    name="hf-loops serve", daemon=False)
+        self.process.start()
+
+    def kill_server(self, timeout: float = 30.0) -> None:
+        self.process.terminate()  # uvicorn stops on SIGTERM; the model's process exits with its parent
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,25 @@ def test_tested_versions_are_inside_the_range_and_sorted():
     assert all(SpecifierSet(compat.TRANSFORMERS_SPEC).contains(v) for v in versions)
 
 
+def test_the_main_environment_pins_the_newest_tested_versions():
+    """`make test` installs the Makefile's PINS: transformers is the newest tested version; the matrix (noxfile.py)
+    runs the older ones, and its newest row pins the same TRL / PEFT / accelerate."""
+    sys.path.insert(0, REPO)
+    try:
+        import noxfile
+    finally:
+        sys.path.remove(REPO)
+    text = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
+    pins = dict(pin.split("==") for pin in re.search(r"^PINS \?= (.*)$", text, re.M).group(1).split())
+    assert pins["transformers"] == compat.TESTED_TRANSFORMERS[-1]
+    matrix = [row["transformers"] for row in noxfile.MATRIX.values()]
+    assert sorted(matrix + [pins["transformers"]], key=lambda v: tuple(map(int, v.split(".")))) == list(
+        compat.TESTED_TRANSFORMERS)
+    newest = noxfile.MATRIX[max(noxfile.MATRIX, key=lambda v: tuple(map(int, v.split("."))))]
+    assert {name: newest[name] for name in ("trl", "peft", "accelerate")} == {
+        name: pins[name] for name in ("trl", "peft", "accelerate")}
+
+
 @pytest.mark.parametrize("installed", ["5.18.0", "4.57.6", "5.40.0", "6.0.0", "5.40.0.dev0"])
 def test_outside_the_range_is_one_clear_line(installed):
     with pytest.raises(ImportError) as info:
@@ -48,14 +67,14 @@ def test_outside_the_range_is_one_clear_line(installed):
     assert installed in message and compat.TRANSFORMERS_SPEC in message
 
 
-@pytest.mark.parametrize("installed", ["5.19.0", "5.20.2", "5.22.2", "5.24.0", "5.24.1", "5.24.0.dev0"])
+@pytest.mark.parametrize("installed", ["5.19.0", "5.20.2", "5.22.2", "5.24.0", "5.24.1", "5.25.0", "5.25.0.dev0"])
 def test_a_tested_minor_is_silent(installed):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compat.check_transformers(installed) == installed
 
 
-@pytest.mark.parametrize("installed", ["5.25.0", "5.39.9", "5.26.0.dev0"])
+@pytest.mark.parametrize("installed", ["5.26.0", "5.39.9", "5.26.0.dev0"])
 def test_newer_than_tested_warns_in_one_line_naming_the_tested_versions(installed):
     with pytest.warns(compat.UntestedTransformersWarning) as record:
         compat.check_transformers(installed)

@@ -6,6 +6,7 @@ the paged cache cannot hold are refused in one line; so are attention implementa
 Tiny random models in fp64 (near-ties of a random model's logits cannot flip a token between the two paths), CPU sdpa."""
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -204,18 +205,49 @@ def exported(arch, folder):
     return str(folder)
 
 
+SLOT_RECORDER = """import os
+if os.environ.get("HF_LOOPS_TEST_SLOTS"):
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    _update = PagedAttentionCache.update
+
+    def _recording_update(self, key, value, layer_idx, kwargs):
+        with open(os.environ["HF_LOOPS_TEST_SLOTS"], "a") as f:
+            f.write(f"{layer_idx}\\n")
+        return _update(self, key, value, layer_idx, kwargs)
+
+    PagedAttentionCache.update = _recording_update
+"""
+
+
+def recorded_paged_cache_slots(folder, monkeypatch):
+    """The paged-cache slots the server writes, as a callable giving the set so far. Before transformers 5.25 the
+    server runs its model in this process (a patch here sees it); from 5.25 in spawned processes, which import the
+    recorder as their `sitecustomize` (on PYTHONPATH) and append to a file."""
+    from hf_loops.core.compat import serve_loads_models_in_their_own_process
+
+    if not serve_loads_models_in_their_own_process():
+        slots = set()
+        update = PagedAttentionCache.update
+        monkeypatch.setattr(PagedAttentionCache, "update",
+                            lambda self, k, v, layer_idx, kwargs: slots.add(layer_idx) or update(self, k, v,
+                                                                                                 layer_idx, kwargs))
+        return lambda: slots
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(SLOT_RECORDER)
+    record = folder / "slots.txt"
+    monkeypatch.setenv("HF_LOOPS_TEST_SLOTS", str(record))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    return lambda: {int(line) for line in record.read_text().split()} if record.exists() else set()
+
+
 @pytest.mark.parametrize("arch", sorted(HTTP_ARCHS))
 @pytest.mark.slow
 def test_served_with_continuous_batching_answers_like_greedy_generate(arch, tmp_path, monkeypatch):
     http = pytest.importorskip("test_http_serve")
     from hf_loops.serving.http import add_arguments, serve
 
-    slots = set()  # the server thread runs in this process: its paged-cache writes are seen here
-    update = PagedAttentionCache.update
-    monkeypatch.setattr(PagedAttentionCache, "update",
-                        lambda self, k, v, layer_idx, kwargs: slots.add(layer_idx) or update(self, k, v, layer_idx,
-                                                                                                 kwargs))
-
+    slots = recorded_paged_cache_slots(tmp_path / "slots", monkeypatch)
     folder = exported(arch, tmp_path / arch)
     port = http.free_port()
     parser = argparse.ArgumentParser()
@@ -234,7 +266,7 @@ def test_served_with_continuous_batching_answers_like_greedy_generate(arch, tmp_
         from transformers import AutoModelForCausalLM
 
         types = AutoModelForCausalLM.from_pretrained(folder).paged_cache_layer_types()
-        assert slots == set(range(len(types)))  # batched through the paged cache, every loop slot written
+        assert slots() == set(range(len(types)))  # batched through the paged cache, every loop slot written
         assert len(types) == {"sgt": 4 + 2, "tah2": 4}[arch]  # TaH2-fixed (causal): deeper states stay in the call
     finally:
         server.kill_server()
