@@ -171,6 +171,23 @@ def training_flops_tah2(config, depths: Sequence[int], max_iterations: int | Non
 
 
 def decode_flops(config, prompt_streams, decode_depths, max_iterations=None) -> float:
-    """Decode FLOPs of TaH2 (Eqs. 14–20) for the per-token depths `decode_depths` after a prompt whose positions kept
-    `prompt_streams` streams (at M = 1 this equals the Standard formula)."""
-    return decode_flops_tah2(config, decode_depths, prompt_streams, max_iterations)
+    """Decode FLOPs of a TaH2-family model for the per-token depths `decode_depths` after a prompt whose positions kept
+    `prompt_streams` streams, priced by the formula of the configuration's variant: TaH2-fixed (`decider="always"`,
+    causal keys) by Eq. 18, Ouro-style (`decider="always"`, same-iteration keys, hidden updater) by Eq. 19, every other
+    configuration by Eqs. 14–16 (at M = 1 these equal the Standard formula). The fixed-depth variants run every token
+    to M: a depth below M there is a ValueError, not a cheaper price."""
+    M = max_iterations or getattr(config, "max_iterations", None) or max(decode_depths, default=1)
+    decider = getattr(config, "decider", "learned")
+    attention = getattr(config, "iteration_attention", "duo")
+    fixed_formula = None
+    if decider == "always" and getattr(config, "core_adapter", None) is None and not getattr(config, "loop_span", None):
+        if attention == "causal":
+            fixed_formula = decode_flops_fixed
+        elif attention == "same_iter" and getattr(config, "updater", None) == "hidden":
+            fixed_formula = decode_flops_ouro
+    if fixed_formula is None or M == 1:
+        return decode_flops_tah2(config, decode_depths, prompt_streams, max_iterations)
+    if any(m != M for m in decode_depths):
+        raise ValueError(f"decode_depths: a decider='always' model runs every token to depth {M}, got depths "
+                         f"{sorted(set(decode_depths))}")
+    return fixed_formula(config, len(prompt_streams), len(decode_depths), M)

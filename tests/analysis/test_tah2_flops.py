@@ -55,3 +55,33 @@ def test_training_flops_lookahead_share_and_validation():
     assert 0.1 < out["label"] / out["total"] < 0.3  # the paper reports 20–24% for the lookahead
     with pytest.raises(ValueError, match="depths"):
         decode_flops_tah2(cfg, [3], [1])
+
+
+@pytest.mark.parametrize("preset, formula", [("tah2-fixed", "fixed"), ("ouro", "ouro")])
+def test_the_dispatcher_prices_fixed_depth_variants_by_their_own_equation(preset, formula):
+    """`decode_flops` (what evaluation and the demo call) once priced TaH2-fixed with Eqs. 14–16: a decider call per
+    token and duo keys it does not have (2.68× Standard instead of Eq. 18's 2.29× on the depth-task model)."""
+    from hf_loops.core import flops_tah2
+    from hf_loops.modeling.configuration_tah2 import TAH2_PRESETS
+
+    cfg = TaH2Config(**QWEN3_17B, max_iterations=3, **TAH2_PRESETS[preset])
+    P, N = 9, 6
+    want = {"fixed": flops_tah2.decode_flops_fixed, "ouro": flops_tah2.decode_flops_ouro}[formula](cfg, P, N, 3)
+    got = flops_tah2.decode_flops(cfg, [1] * P, [3] * N)
+    assert got == pytest.approx(want)
+    assert got < decode_flops_tah2(cfg, [3] * N, [1] * P)  # no decider calls, fewer keys than duo
+    with pytest.raises(ValueError, match="decode_depths.*depth 3"):
+        flops_tah2.decode_flops(cfg, [1] * P, [3, 2, 3, 3, 3, 3])
+
+
+@pytest.mark.parametrize("overrides, depths", [
+    ({}, [1, 2, 1, 2]),
+    ({"max_iterations": 1}, [1] * 4),
+    ({"decider": "never"}, [1] * 4),
+    ({"decider": "always", "iteration_attention": "same_iter", "mixture": "final", "loop_span": [1, 3]}, [2] * 4),
+])
+def test_the_dispatcher_keeps_eqs_14_to_16_for_adaptive_and_partial_loops(overrides, depths):
+    from hf_loops.core import flops_tah2
+
+    cfg = TaH2Config(**{**QWEN3_17B, "max_iterations": 2, **overrides})
+    assert flops_tah2.decode_flops(cfg, [1, 2, 1], depths) == pytest.approx(decode_flops_tah2(cfg, depths, [1, 2, 1]))
