@@ -4,7 +4,8 @@ Quality, per architecture and scheme, on the embedded base (`hf_loops/data/base`
 to TaH2 (M = 2, decider score weights widened as in tah2-decode so g spreads over (0, 1)), SpiralFormer and SGT:
 held-out NLL on the vendored GSM8K test problems' text (question + answer; not in the base's pretraining corpus) ÷
 float32 and ÷ bfloat16, the share of tokens whose executed depth changes (TaH2: with the module policy, and with the
-decider and updater quantized too), checkpoint bytes ÷ float32.
+decider and updater quantized too), checkpoint bytes ÷ float32. TaH2 also by GPTQ (`hf_loops.core.calibration`, Hessians
+from every executed depth and from depth 1 only, calibrated on the arithmetic task's text) against round-to-nearest.
 
 Speed, TaH2 and SpiralFormer at the 100m size (random weights, saved then loaded through `from_pretrained`):
 `generate` greedy tokens/s (32-token prompt + 32 new tokens, prefill included) at batch 1 and 8, int8 / int4 ÷
@@ -69,6 +70,64 @@ def _converted_base(arch: str, out: str) -> str:
         model = convert_qwen3(default_base_dir(), arch, dtype=torch.float32, seed=0)
     model.save_pretrained(out)
     return out
+
+
+def _calibration_batches(tok, n_tokens: int, window: int = 256) -> list[dict]:
+    """Calibration inputs for GPTQ, disjoint from the held-out text: the seeded arithmetic task's problems
+    (`hf_loops.data.arithmetic`, question + answer), in windows of `window` tokens."""
+    from hf_loops.data import arithmetic
+
+    text = "\n\n".join(f"{r['question']}\n{r['answer']}" for r in arithmetic.generate(400, seed=7))
+    ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens]
+    return [{"input_ids": ids[:, i:i + window]} for i in range(0, ids.shape[1] - 1, window)]
+
+
+def gptq_rows(ctx: Ctx) -> list[Row]:
+    """TaH2 (the same converted base as `quality_rows`) quantized by GPTQ (`hf_loops.core.calibration`) with Hessians
+    from every executed depth and from depth 1 only, against round-to-nearest: held-out NLL ÷ fp32 and depth kept."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_loops.core import calibration
+    from hf_loops.core import quantization as Q
+    from hf_loops.data import default_base_dir
+
+    tok = AutoTokenizer.from_pretrained(default_base_dir())
+    ids = _heldout_ids(tok, 1024 if ctx.quick else 8192)
+    calib = _calibration_batches(tok, 512 if ctx.quick else 4096)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _converted_base("tah2", os.path.join(tmp, "fp32"))
+        fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ref_nll, ref_depth = _nll_depths(fp32, ids)
+        group = 64 if fp32.config.hidden_size % 128 else 128
+        for scheme in SCHEMES:
+            rid = f"quant-tah2-{scheme}-gptq"
+            try:
+                rtn = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, quantization_config=Q.quantization_config(scheme, path,
+                                                                                          group_size=group)).eval()
+                res = {"rtn": _nll_depths(rtn, ids)}
+                reports = {}
+                for it in calibration.ITERATIONS:
+                    model, reports[it] = calibration.gptq_quantize(path, calib, scheme, iterations=it,
+                                                                   group_size=group)
+                    res[it] = _nll_depths(model.eval(), ids)
+                calls = reports["all"]["calls_per_pass"]["model.layers.0.mlp.up_proj"]
+                out = {k: {"nll_ratio": nll / ref_nll, "depth_kept": (d == ref_depth).float().mean().item()}
+                       for k, (nll, d) in res.items()}
+                best = out["all"]
+                ok = abs(best["nll_ratio"] - 1) <= NLL_GOAL[scheme] and best["depth_kept"] >= DEPTH_GOAL
+                note = "; ".join(f"{k}: NLL {v['nll_ratio'] - 1:+.2%}, depth kept {v['depth_kept']:.1%}"
+                                 for k, v in (("round-to-nearest", out["rtn"]), ("GPTQ every depth", out["all"]),
+                                              ("GPTQ depth 1 only", out["first"])))
+                note += (f"; {sum(b['input_ids'].numel() for b in calib)} calibration tokens (arithmetic task), "
+                         f"the shared linears called {calls:.0f}× per pass; {ids.shape[1]} held-out tokens")
+                rows.append(Row(rid, f"tah2 {scheme} GPTQ (every depth) NLL ÷ fp32", "base",
+                                f"|ΔNLL| ≤ {NLL_GOAL[scheme]:.0%}, depth kept ≥ {DEPTH_GOAL:.0%}", best["nll_ratio"],
+                                judged(ok), note=note, extra=out))
+            except Exception as exc:
+                rows.append(error_row(rid, f"tah2 {scheme} GPTQ NLL ÷ fp32", "base", "", exc))
+    return rows
 
 
 def quality_rows(ctx: Ctx) -> list[Row]:
@@ -200,12 +259,14 @@ def rows(size: Size, ctx: Ctx) -> list[Row]:
     """The quality rows (on the embedded base, whatever the size) and the speed rows at `size`."""
     from hf_loops.core import quantization as Q
 
-    if not (ctx.wants("quant-tah2-int8-nll") or ctx.wants("quant-tah2-int8-b1")):
+    if not any(ctx.wants(r) for r in ("quant-tah2-int8-nll", "quant-tah2-int8-gptq", "quant-tah2-int8-b1")):
         return []
     if ctx.device != "cpu" or not Q.is_available():
         why = "CPU only" if ctx.device != "cpu" else 'torchao is not installed (pip install -e ".[quant]")'
         return [error_row("quant", "quantized looped models", size.name, "", why)]
     out = quality_rows(ctx) if ctx.wants("quant-tah2-int8-nll") else []
+    if ctx.wants("quant-tah2-int8-gptq"):
+        out += gptq_rows(ctx)
     if ctx.wants("quant-tah2-int8-b1"):
         out += speed_rows(size, ctx)
     return out

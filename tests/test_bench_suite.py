@@ -100,8 +100,8 @@ def test_profile_generate_ops_counts_the_decode_only(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_quick_quantized_rows(tmp_path, monkeypatch):
-    """`python -m bench quant` (docs/quantization.md) at --quick: every arch × scheme gets its NLL row, and TaH2 and
-    SpiralFormer their speed rows, well formed; NLL rows on the embedded base keep their stated bounds (int8 1 %,
+    """`python -m bench quant` (docs/quantization.md) at --quick: every arch × scheme gets its NLL row, TaH2 its GPTQ
+    rows, and TaH2 and SpiralFormer their speed rows, well formed; NLL rows on the embedded base keep their stated bounds (int8 1 %,
     int4 3 %)."""
     pytest.importorskip("torchao", reason="the quant extra (torchao) is not installed")
     monkeypatch.syspath_prepend(ROOT)
@@ -119,5 +119,9 @@ def test_quick_quantized_rows(tmp_path, monkeypatch):
         assert any(n.startswith(f"{arch} int8 generate tokens/s") for n in names), names
     for r in rows:
         assert r["met"] in {"yes", "no", "reported", "error"} and (r["measured"] is None) == (r["met"] == "error"), r
-    nll = [r for r in rows if "NLL ÷ fp32" in r["name"]]
+    nll = [r for r in rows if "NLL ÷ fp32" in r["name"] and "GPTQ" not in r["name"]]
     assert all(r["met"] == "yes" for r in nll), [(r["name"], r["measured"]) for r in nll]
+    gptq = {r["name"]: r for r in rows if "GPTQ" in r["name"]}
+    assert sorted(gptq) == [f"tah2 {s} GPTQ (every depth) NLL ÷ fp32" for s in ("int4", "int8")], sorted(gptq)
+    for r in gptq.values():  # measured against round-to-nearest and depth-1-only calibration, judged on its goal
+        assert r["met"] in {"yes", "no"} and set(r["extra"]) == {"rtn", "all", "first"}, r

@@ -45,6 +45,7 @@ __all__ = [
     "is_available",
     "kept_modules",
     "load_quantized",
+    "quantizable_linears",
     "quantization_config",
     "quantized_linears",
     "register_weight_ops",
@@ -306,6 +307,13 @@ def cpu_kernels_enabled() -> bool:
 # calibration: what the shared linears see at every executed depth
 
 
+def quantizable_linears(model) -> list[str]:
+    """The names of the linears the module policy quantizes (every `nn.Linear` outside `kept_modules(model)`)."""
+    kept = kept_modules(model)
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and not any(n == k or n.startswith(k + ".") for k in kept)]
+
+
 @torch.no_grad()
 def collect_depth_inputs(model, batches: Iterable[dict], modules: Iterable[str] | None = None,
                          max_rows: int | None = None) -> dict[str, list[torch.Tensor]]:
@@ -315,10 +323,7 @@ def collect_depth_inputs(model, batches: Iterable[dict], modules: Iterable[str] 
     linear names to watch (default: every quantizable linear under the policy of `kept_modules`); `max_rows` caps the
     rows kept per call. A calibrated method (GPTQ Hessians, AWQ scales) must take its statistics from all of them,
     not from the first call alone."""
-    kept = kept_modules(model)
-    names = list(modules) if modules is not None else [
-        n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-        and not any(n == k or n.startswith(k + ".") for k in kept)]
+    names = list(modules) if modules is not None else quantizable_linears(model)
     found: dict[str, list[torch.Tensor]] = defaultdict(list)
     handles = []
     for name in names:
