@@ -116,8 +116,8 @@ def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, mode
                    decider_accuracy=False)
     ev = time.perf_counter() - t1
     m = res["metrics"]
-    # Eq. 18 for TaH2-fixed: `evaluate` prices every TaH2-typed model with the TaH2 formula (Eqs. 14-16), which
-    # charges a decider call per token and duo-attention keys; TaH2-fixed has no decider and causal keys.
+    # Eq. 18 for TaH2-fixed, recomputed here as a check: `evaluate` now prices TaH2-fixed by Eq. 18 too
+    # (`core.flops_tah2.decode_flops` dispatches on the configuration; before, it charged Eqs. 14-16).
     from transformers import AutoConfig, AutoTokenizer
 
     from hf_loops.core.flops_tah2 import decode_flops_fixed
