@@ -289,6 +289,46 @@ class _Packing:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def needs_logits_for_decisions(config) -> bool:
+    """Do the decisions of a depth read its logits z(m) (the learned decider, the top-k embedding updater)?"""
+    return config.decider == "learned" or config.updater == "topk_embedding"
+
+
+def next_input(config, updater, embed_weight: torch.Tensor, embeds, hidden, logits):
+    """x(m+1) of the continuing tokens (flat (N, d) tensors), for the configured updater; `embed_weight`: the input
+    embedding matrix (rows past the vocabulary, if padded, are never read). The one implementation shared by the HF
+    model and the vLLM one."""
+    kind = config.updater
+    if kind == "learned":
+        return updater(embeds, hidden)
+    if kind == "identity":
+        return embeds
+    if kind == "hidden":
+        return hidden
+    # topk_embedding (TaH v1): probability-weighted mix of the top-k tokens' embeddings
+    k = min(config.updater_topk, logits.shape[-1])
+    top = logits.float().topk(k, dim=-1)
+    weights = torch.softmax(top.values, dim=-1).to(embeds.dtype)
+    return torch.einsum("nk,nkd->nd", weights, embed_weight[top.indices])
+
+
+def continue_logit(config, decider, embeds, hidden, logits) -> torch.Tensor:
+    """Decider logit (fp32) per token; ±inf for the fixed `always` / `never` deciders."""
+    kind = config.decider
+    if kind in ("learned", "exit_gate"):
+        return decider(embeds, hidden, logits)
+    return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
+
+
+def continue_decisions(config, g: torch.Tensor, exit_threshold: float) -> torch.Tensor:
+    """Which tokens run the next depth, from their continue probabilities g (m < M)."""
+    if config.decider == "exit_gate":  # every depth runs; `QExit` picks each token's output depth
+        return torch.ones_like(g, dtype=torch.bool)
+    if config.decision_mode == "sample":
+        return torch.bernoulli(g.detach()).bool()
+    return g > exit_threshold
+
+
 @dataclass
 class DepthStep:
     """What one depth m produced for its real tokens (flat (N, ...) tensors, N = tokens that ran depth m)."""
@@ -328,10 +368,14 @@ class StoppingWeightedMixture:
 
     def log_weights(self, step: DepthStep) -> torch.Tensor:
         """log ω(m) of the step's tokens; updates R."""
+        return self.log_weights_at((step.batch_index, step.time_index), step.continue_prob, step.cont)
+
+    def log_weights_at(self, index, g: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+        """log ω(m) of the tokens at (batch, time) `index` with continue probabilities g and decisions `cont`;
+        updates R (the vLLM model calls this with its flat tokens as one row)."""
         if self.kind != "stop_prob":
-            return torch.zeros_like(step.continue_prob)
-        index = (step.batch_index, step.time_index)
-        r, g, cont = self.remaining[index], step.continue_prob, step.cont
+            return torch.zeros_like(g)
+        r = self.remaining[index]
         log_w = torch.log(torch.where(cont, r * (1.0 - g), r).clamp(min=1e-10))
         self.remaining = self.remaining.index_put(index, torch.where(cont, r * g, r))
         return log_w
@@ -1136,26 +1180,12 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
 
     # -- the pieces of one iteration: updater (Eq. 9) and decider (Eq. 10) -------------------------------------------
     def _next_input(self, embeds, hidden, logits):
-        """Input of the next depth for continuing tokens (flat (N, d) tensors)."""
-        kind = self.config.updater
-        if kind == "learned":
-            return self.updater(embeds, hidden)
-        if kind == "identity":
-            return embeds
-        if kind == "hidden":
-            return hidden
-        # topk_embedding (TaH v1): probability-weighted mix of the top-k tokens' embeddings
-        k = min(self.config.updater_topk, logits.shape[-1])
-        top = logits.float().topk(k, dim=-1)
-        weights = torch.softmax(top.values, dim=-1).to(embeds.dtype)
-        return torch.einsum("nk,nkd->nd", weights, self.model.embed_tokens.weight[top.indices])
+        """Input of the next depth for continuing tokens (flat (N, d) tensors): `next_input`."""
+        return next_input(self.config, self.updater, self.model.embed_tokens.weight, embeds, hidden, logits)
 
     def _continue_logit(self, embeds, hidden, logits) -> torch.Tensor:
-        """Decider logit (fp32) per token; ±inf for the fixed `always` / `never` deciders."""
-        kind = self.config.decider
-        if kind in ("learned", "exit_gate"):
-            return self.decider(embeds, hidden, logits)
-        return torch.full((embeds.shape[0],), float("inf") if kind == "always" else float("-inf"), device=embeds.device)
+        """Decider logit (fp32) per token: `continue_logit`."""
+        return continue_logit(self.config, self.decider, embeds, hidden, logits)
 
     def _reads_topk_in_training(self) -> bool:
         """The learned decider runs as it is (not replaced on the instance, as analysis and tests do), so the training
@@ -1163,7 +1193,7 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
         return self.config.decider == "learned" and "_continue_logit" not in self.__dict__
 
     def _needs_logits_for_decisions(self) -> bool:
-        return self.config.decider == "learned" or self.config.updater == "topk_embedding"
+        return needs_logits_for_decisions(self.config)
 
     def _weight_grads_in_place(self, max_iterations: int, device) -> _SharedWeightLinears:
         """The per-depth weight gradients of a looped forward are summed inside the products (`_LinearSharedWeight`);
@@ -1341,12 +1371,7 @@ class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2Ge
             logit = self._continue_logit(e_flat, h_flat, z_flat) if top is None else self.decider(e_flat, h_flat, z_flat,
                                                                                                 top_probs=top)
             g = torch.sigmoid(logit)
-            if self.config.decider == "exit_gate":  # every depth runs; `QExit` picks each token's output depth
-                cont = torch.ones_like(fb, dtype=torch.bool)
-            elif self.config.decision_mode == "sample":
-                cont = torch.bernoulli(g.detach()).bool()
-            else:
-                cont = g > run.exit_threshold
+            cont = continue_decisions(self.config, g, run.exit_threshold)
         if pack.identity and pack.one_per_row:  # depth 1 of a one-token call lists padding rows too
             cont = cont & run.valid[fb, ft]
         step = DepthStep(depth=depth, last=last, batch_index=fb, time_index=ft, slots=sel, hidden=h_flat,

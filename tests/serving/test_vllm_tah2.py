@@ -485,3 +485,22 @@ def test_spiralformer_refused_at_load(tmp_path):
         shutil.copy(os.path.join(REPO, "hf_loops", "data", "base", name), tmp_path)
     with pytest.raises(ValueError, match="^SpiralFormer is not served in vLLM by hf_loops .*chunk latents"):
         vllm.LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=256)
+
+
+def test_tensor_parallel_refused_in_one_line():
+    """TaH2 refuses tensor_parallel_size > 1 at load with its reason; SGT accepts it (where the heads divide)."""
+    from types import SimpleNamespace
+
+    from hf_loops.serving.vllm_qwen3 import check_engine
+    from hf_loops.serving.vllm_tah2 import TENSOR_PARALLEL_REFUSAL
+
+    def engine(tp, pp=1, cache="auto"):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                               cache_config=SimpleNamespace(cache_dtype=cache))
+
+    with pytest.raises(ValueError, match=r"^TaH2 in vLLM: tensor_parallel_size=2 is not supported: .*logits"):
+        check_engine(engine(2), "TaH2", TENSOR_PARALLEL_REFUSAL)
+    check_engine(engine(1), "TaH2", TENSOR_PARALLEL_REFUSAL)
+    check_engine(engine(2), "SGT")
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
+        check_engine(engine(1, pp=2), "SGT")
