@@ -109,11 +109,40 @@ def qwen3(layers: int, hidden: int = 128, heads: int = 4, kv_heads: int = 2, ffn
     return model
 
 
+def all_logits(model, ids):
+    """Next-token logits at every position but the last. A looped TaH2 model (from `tah2_from_scratch`) gives its
+    mixture's output; a plain Qwen3 the head on the last hidden state."""
+    if hasattr(model.config, "max_iterations"):
+        return model(input_ids=ids, use_cache=False).logits[:, :-1]
+    h = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    return model.lm_head(h[:, :-1])
+
+
 def logits_at(model, ids, mask):
     """Logits predicting the masked (answer) tokens only."""
-    h = model.model(input_ids=ids, use_cache=False).last_hidden_state
     pred = mask[:, 1:]  # position t-1 predicts token t
+    if hasattr(model.config, "max_iterations"):
+        return all_logits(model, ids)[pred], ids[:, 1:][pred]
+    h = model.model(input_ids=ids, use_cache=False).last_hidden_state
     return model.lm_head(h[:, :-1][pred]), ids[:, 1:][pred]
+
+
+def tah2_from_scratch(preset: str, layers: int, iterations: int, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                      ffn: int = 512, seed: int = 0):
+    """A from-scratch looped TaH2ForCausalLM with a fixed-depth preset of `TAH2_PRESETS` ("tah2-fixed": deeper
+    passes see earlier tokens' depth-1 keys only; "ouro": every token's pass m sees pass m of the others), so the
+    depth evidence is measured with the attention pattern the retrofit uses, not only with a plain stacked loop."""
+    from char_tokenizer import VOCAB_SIZE
+
+    from hf_loops.modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
+    from hf_loops.modeling.modeling_tah2 import TaH2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = TaH2Config(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                     max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2,
+                     pad_token_id=0, rope_theta=10000.0, max_iterations=iterations, **TAH2_PRESETS[preset])
+    return TaH2ForCausalLM(cfg)
 
 
 @torch.no_grad()
@@ -125,8 +154,7 @@ def score(model, data: dict, batch: int = 256) -> dict:
     per = {lv: [0, 0] for lv in data["levels"]}
     for i in range(0, n, batch):
         ids, mask, lev = (data[k][i:i + batch] for k in ("ids", "mask", "level"))
-        h = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        logits = model.lm_head(h[:, :-1]).float()
+        logits = all_logits(model, ids).float()
         tgt = ids[:, 1:]
         m = mask[:, 1:]
         ok = (logits.argmax(-1) == tgt) | ~m

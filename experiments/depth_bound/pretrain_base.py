@@ -29,6 +29,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--looped", type=int, default=1, help="apply the layer stack this many times (evidence only)")
+    p.add_argument("--tah2-preset", default=None, choices=["tah2-fixed", "ouro"],
+                   help="evidence only: a from-scratch TaH2 with this fixed-depth preset, M = --looped")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=64)
@@ -47,8 +49,12 @@ def main(argv=None):
     spec = D.DepthTaskSpec(digits=a.digits, nine_prob=a.nine_prob)
     t0 = time.perf_counter()
     tok, tr, va = C.load_data(a.n_train, a.n_val, spec, seed=0)  # data seed fixed: the model seed varies alone
-    model = C.qwen3(a.layers, hidden=a.hidden, heads=a.heads, ffn=a.ffn, looped=a.looped, seed=a.seed)
-    name = f"L{a.layers}" + (f"x{a.looped}" if a.looped > 1 else "")
+    if a.tah2_preset:
+        model = C.tah2_from_scratch(a.tah2_preset, a.layers, a.looped, hidden=a.hidden, heads=a.heads, ffn=a.ffn,
+                                    seed=a.seed)
+    else:
+        model = C.qwen3(a.layers, hidden=a.hidden, heads=a.heads, ffn=a.ffn, looped=a.looped, seed=a.seed)
+    name = f"L{a.layers}" + (f"x{a.looped}" if a.looped > 1 else "") + (f"-{a.tah2_preset}" if a.tah2_preset else "")
     print(f"[{name}] {sum(p.numel() for p in model.parameters())} parameters, {tr['ids'].shape[0]} train problems "
           f"of {tr['ids'].shape[1]} tokens", flush=True)
     res = C.train(model, tr, va, a.steps, lr=a.lr, batch=a.batch, warmup=a.warmup, eval_every=a.eval_every,
