@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(argv[1:])
     if argv[:1] == ["eval"]:
-        from .evaluation import main as eval_main
+        from .evaluation.cli import main as eval_main
 
         return eval_main(argv[1:])
     if argv[:1] == ["serve"]:  # transformers' server owns the run; its options are in hf_loops.serving.http

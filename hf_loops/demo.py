@@ -47,17 +47,16 @@ from .demo_tasks import (
 from .demo_tasks import (
     table as seed_stats_table,
 )
-from .evaluation import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_MAX_NEW_TOKENS,
+from .evaluation.cli import set_threads
+from .evaluation.examples import load_examples
+from .evaluation.metrics import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
+from .evaluation.report import (
     comparison_rows,
     console_table,
     depth_rows,
     details_markdown,
-    load_examples,
     markdown_table,
     output_dir,
-    set_threads,
     write_pictures,
 )
 
@@ -102,7 +101,7 @@ def _write_jsonl(path: str, rows: list) -> None:
 def _dataset_rows(spec: str, split: str | None) -> list[dict]:
     """Rows as written to the demo's data files: local rows as they are, Hub rows as prompt/completion."""
     if os.path.isfile(spec):
-        from .evaluation import parse_split
+        from .evaluation.examples import parse_split
 
         _, a, b = parse_split(split)
         rows = read_jsonl(spec, "--dataset")[0][a:b]
@@ -298,7 +297,7 @@ def run_demo(base: str | None = None, dataset: str | None = None, out: str = "de
     heldout_rows = default_heldout if dataset is None else None
     base = base or default_base
     dataset = dataset or default_data
-    from .evaluation import looks_like_path
+    from .evaluation.examples import looks_like_path
 
     if looks_like_path(base) and not os.path.isdir(base):
         raise ValueError(f"--base {base!r}: no such directory")

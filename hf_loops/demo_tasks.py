@@ -20,7 +20,9 @@ import statistics
 import time
 
 from .data import arithmetic as A
-from .evaluation import TRAIN_SUMMARY, evaluate, load_examples, output_dir, write_pictures
+from .evaluation.examples import load_examples
+from .evaluation.metrics import TRAIN_SUMMARY, evaluate
+from .evaluation.report import output_dir, write_pictures
 
 # ---------------------------------------------------------------- the run helpers both demo tasks share
 
@@ -54,7 +56,7 @@ def float32_base(base: str, dest: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .evaluation import looks_like_path
+    from .evaluation.examples import looks_like_path
 
     if looks_like_path(base) and not os.path.isdir(base):
         raise ValueError(f"--base {base!r}: no such directory")
@@ -300,7 +302,7 @@ def run_job(job: dict) -> dict:
     """One run, in a worker: post-train, evaluate on the held-out file, remove the checkpoint unless `keep`.
     Returns `evaluate`'s result with the training summary under "training" and the process CPU seconds per phase
     under "cpu_seconds" (startup, train, evaluate)."""
-    from .evaluation import set_threads
+    from .evaluation.cli import set_threads
 
     global _WORKER_STARTED
     set_threads(job.get("threads", 1))
@@ -395,7 +397,7 @@ def arithmetic_part(tmp: str, base32: str, seeds=SEEDS, steps: int | None = None
 
 
 def _arithmetic_outputs(tmp, jobs, results, settings, seeds, sizes, t_start) -> dict:
-    from .evaluation import markdown_table
+    from .evaluation.report import markdown_table
 
     runs = {}
     first = []  # the first seed's full results, for the depth pictures

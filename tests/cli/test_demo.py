@@ -11,7 +11,7 @@ from helpers.picture_helpers import chromium_render_check, expected_colors, png_
 
 from hf_loops.cli import main
 from hf_loops.demo import run_demo, split_rows
-from hf_loops.evaluation import comparison_rows
+from hf_loops.evaluation.report import comparison_rows
 
 
 @pytest.fixture(scope="module")
