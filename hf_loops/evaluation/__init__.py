@@ -6,6 +6,7 @@ a TaH2, SpiralFormer, SGT or plain Qwen3 checkpoint on question/answer examples 
 - `decoding`: tokenisation, left padding, the teacher-forced pass, batched greedy generation, decider decisions;
 - `metrics`: `evaluate`, the per-example records, the summary and `depth_metrics`;
 - `report`: the comparison table (markdown/console), details, pictures, `write_eval`;
+- `tasks`: problems generated from a seed (`--task depth`) and their `--json` summary;
 - `cli`: `add_eval_arguments`, `cmd_eval`, `main`.
 """
 

@@ -78,7 +78,8 @@ def progress_bar(iterable, desc: str, enabled: bool, total=None):
 
 # ----------------------------------------------------------------------------------------------------- passes
 def _teacher_forced(model, batch, pad_id, loop_kw):
-    """Per row: NLL of every completion token, the depth and continue probabilities of the position predicting it."""
+    """Per row: NLL of every completion token, whether it is the argmax there (`top1`), the depth and continue
+    probabilities of the position predicting it."""
     import torch
 
     seqs = [p + a for p, a in batch]
@@ -97,7 +98,7 @@ def _teacher_forced(model, batch, pad_id, loop_kw):
         where = torch.arange(start, W - 1)
         logp = torch.log_softmax(logits[i, where].float(), dim=-1)
         nll = -logp.gather(-1, ids[i, where + 1, None]).squeeze(-1)
-        row = {"nll": nll.tolist()}
+        row = {"nll": nll.tolist(), "top1": (logp.argmax(-1) == ids[i, where + 1]).tolist()}
         if depths is not None:
             row["depths"] = depths[i, where].tolist()
             if probs is not None and probs.shape[-1] > 0:

@@ -46,7 +46,9 @@ def _text_field(row: dict, key: str, where: str) -> str:
     return value
 
 
-def _row_to_example(row: dict, where: str) -> EvalExample:
+def row_to_example(row: dict, where: str) -> EvalExample:
+    """One dataset row (question/answer, prompt/completion or messages) as an `EvalExample`; `where` names the row
+    in errors."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object with 'question'+'answer', 'prompt'+'completion' or "
                          f"'messages', got {type(row).__name__}")
@@ -89,7 +91,7 @@ def load_examples(spec: str, split: str | None = None) -> list[EvalExample]:
             raise ValueError(f"--dataset {spec!r} is neither a local file nor a loadable Hub dataset "
                              f"({type(err).__name__}: {err})") from None
         where = lambda i: f"{spec}[{name}], row {i + 1}"  # noqa: E731
-    examples = [_row_to_example(r, where(i)) for i, r in enumerate(rows)]
+    examples = [row_to_example(r, where(i)) for i, r in enumerate(rows)]
     examples = examples[start:stop]
     if not examples:
         raise ValueError(f"--dataset {spec!r} (split {split or name!r}) has no examples")
@@ -124,4 +126,4 @@ def extract_answer(text: str, pattern: str | re.Pattern = "gsm8k") -> str | None
 
 
 __all__ = ["ANSWER_PATTERNS", "EvalExample", "answer_regex", "extract_answer", "load_examples", "looks_like_path",
-           "parse_split"]
+           "parse_split", "row_to_example"]

@@ -25,10 +25,11 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, answer_pattern: str = "gsm8k",
              max_iterations: int | None = None, exit_threshold: float | None = None, stop_strings=None,
              decider_accuracy: bool = True, progress: bool = True, name: str | None = None,
-             baseline: bool = False) -> dict:
+             baseline: bool = False, token_accuracy: bool = False) -> dict:
     """Evaluate one model (an instance or a checkpoint path/id) on `examples` or `dataset`; returns a JSON-able dict
     {"name", "model", "metrics", "examples"} (see the module docstring for the metrics). Loop knobs the model does not
-    take are refused, unless `baseline` (then they are left out for it)."""
+    take are refused, unless `baseline` (then they are left out for it). `token_accuracy`: every example also gets
+    "answer_top1", per answer token whether it is the teacher-forced argmax."""
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -54,7 +55,8 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
     depth_model = "depths" in records[0]
     decisions = (decider_decisions(model, tokenized, loop_kw, label, progress)
                  if decider_accuracy and depth_model and M >= 2 else {})
-    items = _example_items(model, tokenizer, examples, tokenized, records, answer_regex(answer_pattern), M)
+    items = _example_items(model, tokenizer, examples, tokenized, records, answer_regex(answer_pattern), M,
+                           token_accuracy)
     metrics = _summary(items, gen_time, gen_tokens, M, max_new_tokens, batch_size, depth_model, decisions)
     result = {"name": name or run_name(model, path), "model": path, "model_type": model.config.model_type,
               "architecture": type(model).__name__, "dataset": dataset, "split": split,
@@ -66,7 +68,7 @@ def evaluate(model, tokenizer=None, dataset: str | None = None, examples: Sequen
 
 
 
-def _example_items(model, tokenizer, examples, tokenized, records, rx, M) -> list[dict]:
+def _example_items(model, tokenizer, examples, tokenized, records, rx, M, token_accuracy=False) -> list[dict]:
     """One JSON record per example: the answer's NLL (and depths), the generation, its answer and decode FLOPs (through
     the architecture registry, `hf_loops.analysis.flops`)."""
     from ..analysis import flops
@@ -91,6 +93,8 @@ def _example_items(model, tokenizer, examples, tokenized, records, rx, M) -> lis
             "decode_flops": flops(model.config, gen["prompt_streams"], gen["decode_depths"], M),
             "decode_positions": len(gen["decode_depths"]),
         }
+        if token_accuracy:
+            item["answer_top1"] = rec["top1"]
         if "depths" in rec:
             item["answer_depths"] = rec["depths"]
             item["answer_continue_probs"] = rec["continue_probs"]
