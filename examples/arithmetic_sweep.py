@@ -17,8 +17,11 @@ import time
 
 from hf_loops.data import arithmetic as A
 from hf_loops.data import default_base_dir
-from hf_loops.demo import DEMO_TRAINING, float32_base, train_one
-from hf_loops.evaluation import evaluate, load_examples, set_threads
+from hf_loops.demo.runs import float32_base, train_one
+from hf_loops.demo.settings import DEMO_TRAINING
+from hf_loops.evaluation.cli import set_threads
+from hf_loops.evaluation.examples import load_examples
+from hf_loops.evaluation.metrics import evaluate
 
 
 def digit_runs(items, max_new_tokens):

@@ -19,7 +19,10 @@ import sys
 
 import torch
 
-from hf_loops.evaluation import evaluate, load_examples, load_model, set_threads
+from hf_loops.evaluation.cli import set_threads
+from hf_loops.evaluation.examples import load_examples
+from hf_loops.evaluation.metrics import evaluate
+from hf_loops.evaluation.models import load_model
 
 RUN = 6  # a digit run this long or longer is a "long run" (GSM8K answers rarely have numbers over 5 digits)
 
@@ -52,7 +55,7 @@ def digit_after_digit(path, examples, generated):
     model, tok = load_model(path)
     digit_ids = torch.tensor([i for t, i in tok.get_vocab().items() if tok.convert_tokens_to_string([t]).isdigit()])
     sums = {"q1": 0.0, "q2": 0.0, "mixture": 0.0, "deep": 0, "n": 0}
-    from hf_loops.evaluation import tokenize_example
+    from hf_loops.evaluation.decoding import tokenize_example
 
     for ex, e in zip(examples, generated, strict=True):
         prompt = tokenize_example(tok, ex)[0]

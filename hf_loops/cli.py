@@ -30,7 +30,7 @@ def _parse_sets(pairs: list[str]) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from .demo import demo_command as run
+    from .demo.cli import demo_command as run
 
     return run(args, getattr(args, "argv", None))
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     from .conversion.registry import ARCHITECTURES
-    from .demo import add_demo_arguments
+    from .demo.cli import add_demo_arguments
 
     d = sub.add_parser("demo", help="the main job: post-train the embedded base as Standard and TaH2, evaluate both, "
                                     "write demo_out/ (--random: the old random-weights walk-through)")
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(argv[1:])
     if argv[:1] == ["eval"]:
-        from .evaluation import main as eval_main
+        from .evaluation.cli import main as eval_main
 
         return eval_main(argv[1:])
     if argv[:1] == ["serve"]:  # transformers' server owns the run; its options are in hf_loops.serving.http

@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from hf_loops import demo_tasks as D
 from hf_loops.data import arithmetic as A
+from hf_loops.demo import arithmetic_task, runs, settings, stats
+from hf_loops.demo.settings import RunJob
 
 
 def _run(seed, em, nll, flops, train, depth=None, shares=None):
@@ -26,44 +27,45 @@ def _runs():
 
 
 def test_aggregate_takes_ratios_seed_by_seed_and_the_table_shows_mean_and_std():
-    agg = D.aggregate(_runs())
+    agg = stats.aggregate(_runs())
     assert [r["flops_ratio"] for r in agg["tah2"]] == [1.5, 1.3]
     assert [r["train_ratio"] for r in agg["tah2"]] == [2.5, 1.5]
     assert [r["mean_depth"] for r in agg["standard"]] == [1.0, 1.0]  # no loop: depth 1
-    headers, rows = D.table(agg)
+    headers, rows = stats.seed_table(agg)
     assert rows[0][0].startswith("Standard") and rows[1][0].startswith("TaH2 ")
     assert rows[1][1] == "20.0 ± 14.1 %"  # mean 20 %, sample std of (30, 10) = 14.14
     assert rows[1][5] == "1.40 ± 0.14×"
-    ch, crows = D.class_table(agg)
+    ch, crows = stats.class_table(agg)
     assert dict((r[0], r[2]) for r in crows)["carry digits"] == "70.0 ± 14.1 %"
 
 
 def test_verdict_says_not_held_unless_ahead_in_every_seed():
-    agg = D.aggregate(_runs())
-    text = "\n".join(D.verdict(agg))
+    agg = stats.aggregate(_runs())
+    text = "\n".join(stats.verdict(agg))
     assert "ahead in 1 of 2 seeds" in text and "did **not** hold" in text
     runs = _runs()
     runs["tah2"][1]["metrics"]["exact_match"] = 0.5
-    assert "held on this task, in every seed" in "\n".join(D.verdict(D.aggregate(runs)))
+    assert "held on this task, in every seed" in "\n".join(stats.verdict(stats.aggregate(runs)))
 
 
 def test_run_jobs_refuses_zero_workers_and_starts_the_deeper_runs_first():
     with pytest.raises(ValueError, match="--workers"):
-        D.run_jobs([], workers=0)
-    jobs = [{"arch": a, "settings": {"max_steps": 5}} for a in ("standard", "tah2", "standard")]
-    assert [D._job_cost(j) for j in jobs] == pytest.approx([800.0, 1840.0, 800.0])
-    assert 1 <= D.default_workers() <= 2
+        runs.run_jobs([], workers=0)
+    jobs = [RunJob(task="arithmetic", base="b", arch=a, seed=0, settings={"max_steps": 5}, train_file="t",
+                   heldout="h", ckpt="c", batch_size=1, max_new_tokens=1) for a in ("standard", "tah2", "standard")]
+    assert [runs._job_cost(j) for j in jobs] == pytest.approx([800.0, 1840.0, 800.0])
+    assert 1 <= runs.default_workers() <= 2
 
 
 def test_plot_writes_a_png(tmp_path):
-    D.plot_em_vs_flops(D.aggregate(_runs()), str(tmp_path / "p.png"))
+    arithmetic_task.plot_em_vs_flops(stats.aggregate(_runs()), str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
-    D.plot_class_shares(D.aggregate(_runs()), str(tmp_path / "c.png"))
+    arithmetic_task.plot_class_shares(stats.aggregate(_runs()), str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_cli_refuses_arithmetic_with_a_custom_dataset(tmp_path, capsys):
-    from hf_loops.demo import main
+    from hf_loops.demo.cli import main
 
     assert main(["--task", "arithmetic", "--dataset", "x.jsonl", "--out", str(tmp_path / "o")]) == 2
     assert "--task arithmetic" in capsys.readouterr().err
@@ -73,7 +75,7 @@ def test_cli_refuses_arithmetic_with_a_custom_dataset(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_run_arithmetic_demo_end_to_end_tiny(tmp_path):
-    res = D.run_arithmetic_demo(str(tmp_path / "out"), seeds=(0,), steps=1, max_new_tokens=4,
+    res = arithmetic_task.run_arithmetic_demo(str(tmp_path / "out"), seeds=(0,), steps=1, max_new_tokens=4,
                                 sizes={"n_train": 8, "n_validation": 2, "n_heldout": 3},
                                 training={"per_device_train_batch_size": 2}, workers=2)
     files = set(os.listdir(tmp_path / "out"))
@@ -93,7 +95,7 @@ def test_cpu_summary_means_per_arch_and_totals_every_phase():
     runs = {"standard": [{"cpu_seconds": {"startup": 8.0, "train": 20.0, "evaluate": 2.0}},
                          {"cpu_seconds": {"startup": 0.0, "train": 22.0, "evaluate": 4.0}}],
             "tah2": [{"cpu_seconds": {"startup": 0.0, "train": 40.0, "evaluate": 6.0}}, {"cpu_seconds": None}]}
-    s = D.cpu_summary(runs)
+    s = stats.cpu_summary(runs)
     assert s["per_run_mean"]["standard"] == {"startup": 4.0, "train": 21.0, "evaluate": 3.0}
     assert s["per_run_mean"]["tah2"] == {"startup": 0.0, "train": 40.0, "evaluate": 6.0}
     assert s["total"] == 102.0  # 30 + 26 + 46; a run without timings adds nothing
@@ -103,8 +105,8 @@ def test_run_names_come_from_the_architecture_registry():
     from hf_loops.conversion.registry import display_name
     from hf_loops.modeling.configuration_tah2 import TAH2_PRESETS, TaH2Config
 
-    assert dict(D.ARCHS) == {"standard": "Standard (M=1)", "tah2": "TaH2 (M=2)", "tah2-fixed": "TaH2-fixed (M=2)"}
+    assert dict(settings.ARCHS) == {"standard": "Standard (M=1)", "tah2": "TaH2 (M=2)", "tah2-fixed": "TaH2-fixed (M=2)"}
     for preset in ("standard", "tah2", "tah2-fixed"):  # the same name a trained checkpoint's config gets
         cfg = TaH2Config(**{"max_iterations": 2, **TAH2_PRESETS[preset]})
-        assert D.arch_label(preset) == display_name(cfg)
-    assert D.arch_label("tah2", 3) == "TaH2 (M=3)"
+        assert settings.arch_label(preset) == display_name(cfg)
+    assert settings.arch_label("tah2", 3) == "TaH2 (M=3)"

@@ -393,9 +393,16 @@ def test_evaluation_commands_run_as_documented(tmp_path, base, capsys):
     _problems(tmp_path / "problems.jsonl")
     for entry in entries_run_by("test_evaluation_commands_run_as_documented"):
         command = expand(entry["command"], {})
-        run_hf_loops(command, tmp_path, capsys)
+        out = run_hf_loops(command, tmp_path, capsys)
         check_creates(entry, tmp_path)
         argv = shlex.split(command)
+        if "--json" in argv:  # --task depth: one JSON object, the documented fields
+            summary = json.loads(out)
+            assert set(summary) == {"exact_match", "answer_nll", "mean_depth", "generated_depth",
+                                    "decode_flops_ratio", "train_time_ratio", "by_difficulty"}, command
+            assert list(summary["by_difficulty"]) == ["copy", "1", "2", "3", "4", "5"]  # --digits 4
+            assert summary["train_time_ratio"] is None and 0 <= summary["exact_match"] <= 1
+            continue
         with open(tmp_path / argv[argv.index("--out") + 1] / "eval.json", encoding="utf-8") as f:
             results = json.load(f)["results"]
         assert len(results) == 1 + ("--baseline" in argv)  # one row per model

@@ -100,7 +100,7 @@ def level_report(result: dict, rows: list[dict]) -> dict:
 
 
 def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, model_fields, keep, workdir):
-    from hf_loops.evaluation import evaluate
+    from hf_loops.evaluation.metrics import evaluate
     from hf_loops.training.train_tah2 import train
 
     out = os.path.join(workdir, f"{arch}_s{seed}_{os.getpid()}")
@@ -159,7 +159,7 @@ def main(argv=None):
     p.add_argument("--keep", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from hf_loops.evaluation import load_examples
+    from hf_loops.evaluation.examples import load_examples
 
     spec = D.DepthTaskSpec(digits=a.digits, nine_prob=a.nine_prob)
     root = os.path.join(C.OUT, "retrofit")

@@ -373,7 +373,8 @@ def test_a_killed_run_s_staging_folder_is_removed_by_the_next_command_and_named(
 # --- the Python API -------------------------------------------------------------------------------------------------
 
 def test_evaluate_refuses_no_examples_and_fractional_counts():
-    from hf_loops.evaluation import EvalExample, evaluate
+    from hf_loops.evaluation.examples import EvalExample
+    from hf_loops.evaluation.metrics import evaluate
 
     model, tok = tiny_qwen3(), tiny_tokenizer()
     tok.chat_template = CHAT
@@ -411,7 +412,7 @@ def test_sgt_calibration_text_still_reads(tmp_path):
 
 
 def test_eval_loop_knobs_are_refused_for_a_model_without_them_but_left_out_for_a_baseline(w, tmp_path, capsys):
-    from hf_loops.evaluation import main
+    from hf_loops.evaluation.cli import main
 
     base, data = w["base"], w["data"]["good"]
     common = ["--dataset", data, "--split", "train[:1]", "--max-new-tokens", "1", "--no-progress",

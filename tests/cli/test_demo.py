@@ -10,8 +10,8 @@ from helpers.eval_helpers import tiny_base, write_problems
 from helpers.picture_helpers import chromium_render_check, expected_colors, png_box_counts
 
 from hf_loops.cli import main
-from hf_loops.demo import run_demo, split_rows
-from hf_loops.evaluation import comparison_rows
+from hf_loops.demo.gsm8k import run_demo, split_rows
+from hf_loops.evaluation.report import comparison_rows
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_demo_writes_report_checkpoints_and_data(demo):
 @pytest.mark.slow
 def test_demo_trains_every_seed_and_reports_mean_and_spread(demo):
     """Two seeds on two workers: the seed table holds both seeds' numbers; only the first seed's checkpoints stay."""
-    from hf_loops.demo_tasks import table
+    from hf_loops.demo.stats import seed_table
 
     saved = json.loads((demo["out"] / "eval.json").read_text())
     agg = saved["seed_runs"]
@@ -70,7 +70,7 @@ def test_demo_trains_every_seed_and_reports_mean_and_spread(demo):
     assert agg["standard"][0]["answer_nll"] == saved["results"][0]["metrics"]["answer_nll"]  # seed 0 = the detail
     assert agg["tah2"][0]["mean_depth"] == saved["results"][1]["metrics"]["mean_depth"]
     assert all(r["flops_ratio"] == 1.0 for r in agg["standard"])
-    headers, rows = table(agg)
+    headers, rows = seed_table(agg)
     assert [list(r) for r in demo["result"]["seed_table"][1]] == rows
     report = (demo["out"] / "report.md").read_text()
     assert "Mean ± std over 2 seed(s) (0, 1)" in report and "| " + " | ".join(rows[1]) + " |" in report

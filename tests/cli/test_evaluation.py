@@ -11,15 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_loops.cli import main
 from hf_loops.core.flops_tah2 import decode_flops_standard
-from hf_loops.evaluation import (
-    EvalExample,
-    evaluate,
-    extract_answer,
-    load_examples,
-    load_model,
-    parse_split,
-    tokenize_example,
-)
+from hf_loops.evaluation.decoding import tokenize_example
+from hf_loops.evaluation.examples import EvalExample, extract_answer, load_examples, parse_split
+from hf_loops.evaluation.metrics import evaluate
+from hf_loops.evaluation.models import load_model
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,11 @@ def _last_line(capsys):
 
 
 def test_eval_on_a_full_disk_keeps_nothing(tmp_path, monkeypatch, capsys):
-    from hf_loops import evaluation
-    from hf_loops.evaluation import main
+    from hf_loops.evaluation import report
+    from hf_loops.evaluation.cli import main
 
     base, data = tiny_base(tmp_path / "base"), write_problems(tmp_path / "p.jsonl", n=2)
-    monkeypatch.setattr(evaluation, "write_pictures", _full_disk)
+    monkeypatch.setattr(report, "write_pictures", _full_disk)
     out = tmp_path / "ev"
     assert main([base, "--dataset", data, "--max-new-tokens", "2", "--out", str(out), "--no-progress"]) == 2
     assert _last_line(capsys) == "error: No space left on device"

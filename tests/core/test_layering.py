@@ -23,7 +23,6 @@ FLOORS = {
     "inference": 4,
     "serving": 5,
     "demo": 6,
-    "demo_tasks": 6,  # the demo's arithmetic task run (demo imports it)
     "cli": 7,
 }
 

@@ -47,7 +47,7 @@ def test_the_check_sees_a_repeat():
     assert repeated({"check_output_dir": ["core/outdir.py", "training/train_tah2.py"]}) == {
         "check_output_dir": ["core/outdir.py", "training/train_tah2.py"]}
     assert repeated({"decode_flops": sorted(INTERFACES["decode_flops"])}) == {}
-    assert repeated({"decode_flops": ["core/flops_tah2.py", "evaluation.py"]}) != {}
+    assert repeated({"decode_flops": ["core/flops_tah2.py", "evaluation/metrics.py"]}) != {}
     assert repeated({"main": ["cli.py", "demo.py"]}) == {}
 
 

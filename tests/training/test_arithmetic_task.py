@@ -6,7 +6,7 @@ import re
 import pytest
 
 from hf_loops.data import arithmetic as A
-from hf_loops.evaluation import extract_answer
+from hf_loops.evaluation.examples import extract_answer
 
 STEP = re.compile(r"(\d+)([-+*])(\d+)=<<(\d+)([-+*])(\d+)=(\d+)>>(\d+)")
 
@@ -128,6 +128,6 @@ def test_bad_spec_and_counts_raise():
 
 def test_write_splits(tmp_path):
     paths = A.write_splits(str(tmp_path), n_train=5, n_validation=2, n_heldout=3, seed=2)
-    from hf_loops.evaluation import load_examples
+    from hf_loops.evaluation.examples import load_examples
 
     assert [len(load_examples(paths[k])) for k in A.SPLITS] == [5, 2, 3]

@@ -15,7 +15,7 @@ from hf_loops.data import (
     gsm8k_path,
     load_gsm8k,
 )
-from hf_loops.evaluation import extract_answer
+from hf_loops.evaluation.examples import extract_answer
 
 CORPUS = os.path.join(SHARED, "data", "corpus")
 MAX_WEIGHT_BYTES = 8_000_000
