@@ -232,3 +232,31 @@ def dump(path: str, obj) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
+
+
+class CharEncoder(Encoder):
+    """`Encoder` for any task written in the character tokenizer's characters: the answer is encoded character by
+    character, with one label per character (`row["labels"]`), then <|im_end|> and the newline (copy)."""
+
+    def __init__(self, tok):
+        super().__init__(tok)
+        self.char = {c: i for c, i in tok.get_vocab().items() if len(c) == 1}
+
+    def encode(self, row: dict) -> tuple[list[int], list[int], list[str]]:
+        prompt = self.user + [self.char[c] for c in row["question"]] + self.mid
+        answer = [self.char[c] for c in row["answer"]] + self.end
+        return prompt, answer, list(row["labels"]) + [D.COPY] * len(self.end)
+
+
+def tensors_levels(enc, rows, levels) -> dict:
+    """`tensors` with the level names given."""
+    seqs = [enc.encode(r) for r in rows]
+    T = max(len(p) + len(a) for p, a, _ in seqs)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    lev = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, (p, a, lab) in enumerate(seqs):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p):len(p) + len(a)] = True
+        lev[i, len(p):len(p) + len(a)] = torch.tensor([levels.index(x) for x in lab])
+    return {"ids": ids, "mask": mask, "level": lev, "levels": list(levels)}

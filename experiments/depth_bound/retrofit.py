@@ -52,13 +52,21 @@ def parse_kv(items):
     return out
 
 
-def data_files(root: str, n_train: int, n_val: int, spec: D.DepthTaskSpec) -> dict:
+def data_files(root: str, n_train: int, n_val: int, spec) -> dict:
+    """`spec`: a `DepthTaskSpec` (addition) or a dict of `hop_task.make_problem` arguments (k-hop lookup)."""
     os.makedirs(root, exist_ok=True)
-    tag = f"d{spec.digits}_p{spec.nine_prob}"
+    if isinstance(spec, dict):
+        import hop_task as H
+
+        tag = "hop_" + "_".join(f"{k}{v}" for k, v in sorted(spec.items()))
+        make = lambda split, n: H.make_split(split, n, 0, **spec)  # noqa: E731
+    else:
+        tag = f"d{spec.digits}_p{spec.nine_prob}"
+        make = lambda split, n: D.make_split(split, n, 0, spec)  # noqa: E731
     paths = {}
     for split, n in (("train", n_train), ("validation", n_val)):
         path = os.path.join(root, f"{split}_{tag}_{n}.jsonl")
-        rows = D.make_split(split, n, 0, spec)
+        rows = make(split, n)
         if not os.path.isfile(path):
             D.write_sft(path, rows)
         paths[split] = (path, rows)
@@ -99,7 +107,8 @@ def level_report(result: dict, rows: list[dict]) -> dict:
     return out
 
 
-def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, model_fields, keep, workdir):
+def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, model_fields, keep, workdir,
+            max_new_tokens=48):
     from hf_loops.evaluation.metrics import evaluate
     from hf_loops.training.train_tah2 import train
 
@@ -112,8 +121,9 @@ def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, mode
     wall = time.perf_counter() - t0
     hist = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     t1 = time.perf_counter()
-    res = evaluate(out, examples=val_examples, batch_size=250, max_new_tokens=32, progress=False,
-                   decider_accuracy=False)
+    # addition restates the operands, then digits + 1 result digits and the answer line: 3·digits + ~12 tokens
+    res = evaluate(out, examples=val_examples, batch_size=250, max_new_tokens=max_new_tokens, progress=False,
+                   decider_accuracy=False, answer_pattern=r"####\s*(\w+)")
     ev = time.perf_counter() - t1
     m = res["metrics"]
     # Eq. 18 for TaH2-fixed, recomputed here as a check: `evaluate` now prices TaH2-fixed by Eq. 18 too
@@ -153,6 +163,10 @@ def main(argv=None):
     p.add_argument("--digits", type=int, default=4)
     p.add_argument("--nine-prob", type=float, default=0.3)
     p.add_argument("--n-val", type=int, default=1000)
+    p.add_argument("--task", default="addition", choices=["addition", "hop"])
+    p.add_argument("--n-sym", type=int, default=8)
+    p.add_argument("--n-queries", type=int, default=4)
+    p.add_argument("--max-hops", type=int, default=2)
     p.add_argument("--set", nargs="*", help="more trainer fields, field=json")
     p.add_argument("--model", nargs="*", help="TaH2Config fields for the looped runs, field=json")
     p.add_argument("--threads", type=int, default=1)
@@ -161,7 +175,10 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from hf_loops.evaluation.examples import load_examples
 
-    spec = D.DepthTaskSpec(digits=a.digits, nine_prob=a.nine_prob)
+    if a.task == "hop":
+        spec = {"n_sym": a.n_sym, "n_queries": a.n_queries, "max_hops": a.max_hops}
+    else:
+        spec = D.DepthTaskSpec(digits=a.digits, nine_prob=a.nine_prob)
     root = os.path.join(C.OUT, "retrofit")
     files = data_files(os.path.join(root, "data"), a.steps * a.batch, a.n_val, spec)
     val_examples = load_examples(files["validation"][0])
@@ -172,7 +189,7 @@ def main(argv=None):
     for seed in [int(s) for s in a.seeds.split(",")]:
         for arch in a.archs.split(","):
             rec = run_one(a.base, arch, seed, files["train"][0], val_examples, files["validation"][1], settings,
-                          model_fields, a.keep, os.path.join(root, "runs"))
+                          model_fields, a.keep, os.path.join(root, "runs"), max_new_tokens=(6 * a.n_queries + 8 if a.task == "hop" else 3 * a.digits + 16))
             rec.update(tag=a.tag, settings=settings, model_fields=model_fields if arch != "standard" else {},
                        base=a.base, command="python experiments/depth_bound/retrofit.py " + " ".join(argv or []))
             with open(os.path.join(root, "results.jsonl"), "a", encoding="utf-8") as f:
