@@ -17,7 +17,8 @@ are, with no re-quantization and no drift. (KIVI-style per-channel keys share on
 the sequence, which every such move would have to re-quantize.) Outlier channels are what the fp residual window
 and smaller groups are for.
 
-- int8: symmetric, codes in [−127, 127], scale = amax / 127 (fp16, rounded up) → |x − x̂| ≤ scale / 2.
+- int8: symmetric, codes in [−127, 127], scale = amax / 127 (fp16, rounded up, at least fp16's smallest normal
+  6.1e-5) → |x − x̂| ≤ scale / 2 ≤ max(amax / 127 · (1 + 2^-9), 6.1e-5) / 2.
 - int4: asymmetric, codes in [0, 15] packed two per byte, zero point = group min (fp16, rounded down), scale =
   (max − min) / 15 (fp16, rounded up) → |x − x̂| ≤ scale / 2.
 - residual window: the last `residual_length` entries of each slot stay in the model's dtype (as transformers'

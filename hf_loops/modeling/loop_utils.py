@@ -536,7 +536,9 @@ def quantized_loop_cache(model, **cache_config) -> DynamicCache:
         else None
     if reason is not None:
         raise ValueError(f"{type(model).__name__} cannot use the quantized loop cache: {reason}")
-    return enable_quantized_loop_cache(DynamicCache(config=model.config.get_text_config(decoder=True)), settings)
+    text = model.config.get_text_config(decoder=True)
+    settings.group(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)  # fail early
+    return enable_quantized_loop_cache(DynamicCache(config=text), settings)
 
 
 class LoopedContinuousBatchingMixin:
