@@ -316,3 +316,24 @@ def test_a_quantized_cache_can_also_be_passed_in():
                              pad_token_id=0, cache=cache)
     assert torch.equal(out, ref)
     assert any(isinstance(layer, QuantizedLoopLayer) and layer.get_seq_length() for layer in cache.layers)
+
+
+def test_tah2_beam_search_and_crop_move_ragged_entries():
+    """Beam search reorders TaH2's ragged deeper streams (rows selected entry by entry); a crop drops entries. Both
+    go through `take_entries` on the quantized slots: the result equals the fp cache's."""
+    model = script_decider(tah2_preset("tah2", seed=4), pattern_by_sign)
+    ids, mask = left_padded_batch([15, 10], seed=2, high=99)
+    ref, _ = _generate(model, ids, mask, 6, num_beams=2)
+    out, _ = _generate(model, ids, mask, 6, {"nbits": 8, "residual_length": 2}, num_beams=2)
+    assert torch.equal(out, ref)
+    caches = {}
+    for name, cache in (("fp", DynamicCache(config=model.config)),
+                        ("q", quantized_loop_cache(model, nbits=8, residual_length=2))):
+        with torch.no_grad():
+            c = model(ids, attention_mask=mask, cache=cache, use_cache=True).cache
+            c.crop(-4)
+            out = model(ids[:, -4:], attention_mask=mask, cache=c, use_cache=True)
+        caches[name] = (out.logits, out.iter_counts, c.kv_bytes())
+    assert torch.equal(caches["fp"][1], caches["q"][1])
+    assert float((caches["fp"][0] - caches["q"][0]).abs().max()) < 5e-3
+    assert caches["q"][2] < 0.6 * caches["fp"][2]
