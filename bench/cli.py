@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from . import compiled, quantized, spiral, tah2_decode, tah2_generate, train_memory, train_steps
+from . import compiled, kv_quant, quantized, spiral, tah2_decode, tah2_generate, train_memory, train_steps
 from .common import SIZES, WORKLOADS, Ctx, set_clock
 from .report import eprint, markdown, settings, write
 
@@ -21,6 +21,7 @@ GROUPS = {
     "train-memory": train_memory.rows,  # TaH2 SFT step peak memory ÷ Standard at vocabulary 151,936 (subprocesses)
     "spiral": spiral.rows,  # SpiralFormer-B prefill, core passes per decode token
     "quant": quantized.rows,  # int8 / int4 weight-only: NLL, depth kept, tokens/s ÷ fp32 and bf16 (CPU)
+    "kv-quant": kv_quant.rows,  # int8 / int4 quantized loop cache: KV bytes ÷ fp32, greedy = fp cache (base)
     "compile": compiled.rows,  # torch.compile vs eager decode (subprocess with a time limit)
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

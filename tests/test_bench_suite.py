@@ -125,3 +125,23 @@ def test_quick_quantized_rows(tmp_path, monkeypatch):
     assert sorted(gptq) == [f"tah2 {s} GPTQ (every depth) NLL ÷ fp32" for s in ("int4", "int8")], sorted(gptq)
     for r in gptq.values():  # measured against round-to-nearest and depth-1-only calibration, judged on its goal
         assert r["met"] in {"yes", "no"} and set(r["extra"]) == {"rtn", "all", "first"}, r
+
+
+def test_quick_kv_quant_rows(tmp_path, monkeypatch):
+    """`python -m bench kv-quant` (docs/quantization.md "Quantized loop cache") at --quick: an int8 and an int4 row per
+    architecture, well formed, with bytes ÷ fp32 ordered int4 < int8 < 1 and the greedy agreement in the note."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import kv_quant
+    from bench.cli import main
+
+    monkeypatch.setattr(kv_quant, "_done", set())
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        main(["kv-quant", "--quick", "--threads", str(threads), "--out", str(tmp_path), "--stem", "kvq"])
+    torch.set_num_threads(threads)
+    rows = {r["id"]: r for r in json.loads((tmp_path / "kvq.json").read_text())["rows"]}
+    for arch in ("tah2", "spiralformer", "sgt"):
+        int8, int4 = rows[f"kvq-{arch}-int8"], rows[f"kvq-{arch}-int4"]
+        assert int8["met"] in {"yes", "no"} and int4["met"] == "reported", (int8, int4)
+        assert 0 < int4["measured"] < int8["measured"] < 1
+        assert "of rows identical to the fp cache" in int8["note"] and 0 <= int8["extra"]["rows_identical"] <= 1

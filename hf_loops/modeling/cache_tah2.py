@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .configuration_tah2 import ITERATION_ATTENTION_MODES
+from .kv_quant import QuantizedLoopLayer, kv_layer_bytes
 from .loop_utils import ensure_cache_slots
 
 __all__ = ["TaH2Cache", "CallStreams", "StreamView", "RaggedLayout", "flat_sequence_ids"]
@@ -155,6 +156,10 @@ class TaH2Cache(DynamicCache):
         return cache
 
     # -- layout ------------------------------------------------------------------------------------------------------
+    def is_kv_slot(self, index: int) -> bool:
+        """Slot `index` holds keys/values (not a stream's metadata): what a quantized loop cache quantizes."""
+        return self.num_backbone_layers == 0 or index % (self.num_backbone_layers + 1) != self.num_backbone_layers
+
     def kv_slot(self, stream: int, layer_idx: int) -> int:
         return stream * (self.num_backbone_layers + 1) + layer_idx
 
@@ -182,17 +187,19 @@ class TaH2Cache(DynamicCache):
         return [self.kv_slot(stream, l) for l in range(self.num_backbone_layers)] + [self.meta_slot(stream)]
 
     def batch_size(self) -> int:
-        return self.layers[0].keys.shape[0] if self.get_seq_length() > 0 else 0
+        if self.get_seq_length() == 0:
+            return 0
+        layer = self.layers[0]
+        return layer.batch_size() if isinstance(layer, QuantizedLoopLayer) else layer.keys.shape[0]
 
     def kv_bytes(self) -> int:
-        """Bytes of stored keys and values (metadata excluded)."""
+        """Bytes of stored keys and values (metadata excluded; a quantized loop cache: codes, scales and fp window)."""
         total = 0
         for stream in range(self.num_streams):
             for slot in self.stream_slots(stream)[:-1]:
                 layer = self.layers[slot]
                 if layer.get_seq_length() > 0:
-                    total += layer.keys.numel() * layer.keys.element_size()
-                    total += layer.values.numel() * layer.values.element_size()
+                    total += kv_layer_bytes(layer)
         return total
 
     # -- metadata ----------------------------------------------------------------------------------------------------
@@ -271,6 +278,9 @@ class TaH2Cache(DynamicCache):
             if entries.numel() == 0:
                 layer.reset()
                 continue
+            if isinstance(layer, QuantizedLoopLayer):  # codes move as they are
+                layer.take_entries(entries)
+                continue
             layer.keys = layer.keys.index_select(2, entries)
             layer.values = layer.values.index_select(2, entries)
         if new_rows is not None and entries.numel():
@@ -296,11 +306,11 @@ class TaH2Cache(DynamicCache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         B = self.batch_size()
         if B:
-            self._select_rows(torch.arange(B, device=self.layers[0].keys.device).repeat_interleave(repeats))
+            self._select_rows(torch.arange(B, device=self.layers[0].device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.batch_size():
-            indices = torch.as_tensor(indices, device=self.layers[0].keys.device)
+            indices = torch.as_tensor(indices, device=self.layers[0].device)
             self._select_rows(indices.nonzero().squeeze(1) if indices.dtype == torch.bool else indices.long())
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -337,6 +347,8 @@ class TaH2Cache(DynamicCache):
             layer = self.layers[s]
             if width == 0:
                 layer.reset()
+            elif isinstance(layer, QuantizedLoopLayer):
+                layer.crop(width - layer.get_seq_length())
             else:
                 layer.keys = layer.keys[..., :width, :]
                 layer.values = layer.values[..., :width, :]

@@ -36,6 +36,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .cache_tah2 import RaggedLayout, iteration_visibility
+from .kv_quant import QuantizedLoopLayer
 from .loop_utils import iteration_mask
 
 __all__ = ["TaH2GenerationMixin", "continuous_depth_unsupported"]
@@ -98,12 +99,22 @@ def continuous_depth_unsupported(model, generation_config, model_kwargs, logits_
 class _StepKV:
     """Keys and values of every layer, one column per decoding step after the prompt's entries, with per-entry
     metadata (position, stream, validity). It is the `cache=` object the shared layers receive: `update` writes the
-    step's column and returns the keys written so far."""
+    step's column and returns the keys written so far.
+
+    A quantized loop cache (kv_quant.py) keeps its quantization here: each layer's entries live in a
+    `QuantizedLoopLayer` (the prefill's entries, then one column per step), whose fp window holds the latest entries."""
 
     def __init__(self, cache, num_layers: int, batch_size: int, reserve: int):
         keys, values, pos, iters, valid = self._from_cache(cache, num_layers, batch_size)
         self.length = pos.shape[1]
         cap = self.length + max(reserve, 1)
+        quant = getattr(cache, "loop_kv_quant", None)
+        self.quantized = None
+        if quant is not None:
+            self.quantized = [QuantizedLoopLayer(quant) for _ in range(num_layers)]
+            for layer, k, v in zip(self.quantized, keys, values, strict=True):
+                layer.update(k, v)
+            keys = values = []
         self.keys = [self._grow(k, cap) for k in keys]
         self.values = [self._grow(v, cap) for v in values]
         self.pos, self.iter, self.valid = self._grow(pos, cap), self._grow(iters, cap), self._grow(valid, cap)
@@ -168,6 +179,8 @@ class _StepKV:
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only the batch rows `keep` (rows that are done leave the pass)."""
+        for layer in self.quantized or ():
+            layer.batch_select_indices(keep)
         self.keys = [k.index_select(0, keep) for k in self.keys]
         self.values = [v.index_select(0, keep) for v in self.values]
         self.pos, self.iter, self.valid = (self.pos.index_select(0, keep), self.iter.index_select(0, keep),
@@ -175,6 +188,8 @@ class _StepKV:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         c = self.column
+        if self.quantized is not None:  # every layer appends exactly one column per step
+            return self.quantized[layer_idx].update(key_states[:, :, :1], value_states[:, :, :1])
         self.keys[layer_idx][:, :, c] = key_states[:, :, 0]
         self.values[layer_idx][:, :, c] = value_states[:, :, 0]
         return self.keys[layer_idx][:, :, : c + 1], self.values[layer_idx][:, :, : c + 1]

@@ -25,9 +25,11 @@ import typing
 import torch
 from transformers import masking_utils as _masking
 from transformers import modeling_outputs as _outputs
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.qwen3 import modeling_qwen3 as _qwen3
 from transformers.utils.deprecation import deprecate_kwarg
+
+from .kv_quant import enable_quantized_loop_cache, new_cache_layer, quantized_loop_cache_config
 
 # Keys of a saved config.json that describe the file rather than the architecture (dropped when a config's fields are
 # carried into another config class).
@@ -46,8 +48,8 @@ def ensure_cache_slots(cache: Cache, num_slots: int) -> Cache:
             f"hf_loops looped models need a DynamicCache (one growing slot per iteration and layer); got "
             f"{type(cache).__name__}. Use cache_implementation='dynamic' (the default) or pass cache=DynamicCache()."
         )
-    while len(cache.layers) < num_slots:
-        cache.layers.append(DynamicLayer())
+    while len(cache.layers) < num_slots:  # a quantized loop cache (kv_quant.py) adds quantized key/value slots
+        cache.layers.append(new_cache_layer(cache, len(cache.layers)))
     return cache
 
 
@@ -506,6 +508,37 @@ class PagedModelView:
 
     def __call__(self, *args, **kwargs):
         return self.__dict__["_model"](*args, **kwargs)
+
+
+class QuantizedLoopCacheMixin:
+    """`generate(..., cache_implementation="quantized", cache_config={"nbits": 8, "residual_length": 32,
+    "q_group_size": None})` for a looped model: a `DynamicCache` whose key/value slots (every iteration's) store
+    per-token int8 / int4 codes (kv_quant.py), instead of transformers' `QuantizedCache`, which cannot hold loop slots.
+    A model says why it cannot use one (`quantized_loop_cache_refusal`, a one-line reason or None)."""
+
+    @classmethod
+    def quantized_loop_cache_refusal(cls, config) -> str | None:
+        return None
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if (generation_config.cache_implementation != "quantized" or generation_config.use_cache is False
+                or model_kwargs.get(HF_CACHE_KWARG) is not None):
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        model_kwargs[HF_CACHE_KWARG] = quantized_loop_cache(self, **(generation_config.cache_config or {}))
+
+
+def quantized_loop_cache(model, **cache_config) -> DynamicCache:
+    """An empty quantized loop cache for `model` (pass it as `cache=`, or let `generate(cache_implementation=
+    "quantized", cache_config=...)` build it). Keys: nbits (4 or 8, default 8), residual_length (default 32),
+    q_group_size (default: the head dim), backend ("loop", the only one)."""
+    settings = quantized_loop_cache_config(cache_config)
+    reason = type(model).quantized_loop_cache_refusal(model.config) if hasattr(model, "quantized_loop_cache_refusal") \
+        else None
+    if reason is not None:
+        raise ValueError(f"{type(model).__name__} cannot use the quantized loop cache: {reason}")
+    text = model.config.get_text_config(decoder=True)
+    settings.group(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)  # fail early
+    return enable_quantized_loop_cache(DynamicCache(config=text), settings)
 
 
 class LoopedContinuousBatchingMixin:

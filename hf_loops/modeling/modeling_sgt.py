@@ -55,6 +55,7 @@ from .loop_utils import (
     LayerCollector,
     LoopCacheView,
     LoopedContinuousBatchingMixin,
+    QuantizedLoopCacheMixin,
     accepts_cache_kwarg,
     check_attn_implementation,
     create_causal_mask,
@@ -621,7 +622,7 @@ class SGTModel(SGTPreTrainedModel):
         return hidden_states
 
 
-class SGTForCausalLM(LoopedContinuousBatchingMixin, SGTPreTrainedModel, GenerationMixin):
+class SGTForCausalLM(QuantizedLoopCacheMixin, LoopedContinuousBatchingMixin, SGTPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.

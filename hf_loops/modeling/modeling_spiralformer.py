@@ -47,12 +47,14 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from transformers.utils import can_return_tuple
 
 from .configuration_spiralformer import SpiralFormerConfig
+from .kv_quant import QuantizedLoopLayer, kv_layer_bytes
 from .loop_utils import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     LayerCollector,
     LoopCacheView,
     LoopedContinuousBatchingMixin,
+    QuantizedLoopCacheMixin,
     Qwen3DecoderLayer,
     accepts_cache_kwarg,
     additive_mask,
@@ -270,6 +272,96 @@ class SpiralCoreLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+class QuantizedSpiralCoreLayer(SpiralCoreLayer):
+    """`SpiralCoreLayer` of a quantized loop cache (kv_quant.py): each row's latents live in a one-row
+    `QuantizedLoopLayer` (per-token int8 / int4 codes, fp window of its latest latents). Rows that a beam reorder made
+    share a store get their own (sharing its tensors, which are never written in place) before they diverge."""
+
+    def __init__(self, config=None, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        self.rows: list = []
+
+    def _new_row(self, keys, values):
+        layer = QuantizedLoopLayer(self.config)
+        layer.update(keys, values)
+        return layer
+
+    def start(self, batch_size: int) -> None:
+        self.rows = [None] * batch_size
+        self.is_initialized = True
+
+    def write_prefill(self, key_states, value_states, keep: list[int]):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.rows = [self._new_row(key_states[r:r + 1, :, :n], value_states[r:r + 1, :, :n]) if n > 0 else None
+                     for r, n in enumerate(keep)]
+        return key_states, value_states
+
+    def append_rows(self, key_states, value_states, rows: list[int]):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = [], []
+        for i, r in enumerate(rows):
+            k, v = key_states[i:i + 1], value_states[i:i + 1]
+            if self.rows[r] is None:
+                self.rows[r] = self._new_row(k, v)
+                keys.append(k[0])
+                values.append(v[0])
+            else:
+                full_k, full_v = self.rows[r].update(k, v)
+                keys.append(full_k[0])
+                values.append(full_v[0])
+        width = max(x.shape[-2] for x in keys)
+        pad = lambda xs: torch.stack([F.pad(x, (0, 0, 0, width - x.shape[-2])) for x in xs])  # noqa: E731
+        return pad(keys), pad(values)
+
+    def row_lengths(self) -> list[int]:
+        return [0 if x is None else x.get_seq_length() for x in self.rows]
+
+    def trim(self, lengths: list[int]) -> None:
+        for r, n in enumerate(lengths):
+            layer = self.rows[r]
+            if layer is not None and layer.get_seq_length() > n:
+                if n > 0:
+                    layer.crop(n - layer.get_seq_length())
+                else:
+                    self.rows[r] = None
+
+    def nbytes(self) -> int:
+        seen = {id(x): x for x in self.rows if x is not None}
+        return sum(x.nbytes() for x in seen.values())
+
+    def _take(self, rows) -> None:
+        picked, used = [], set()
+        for r in rows:
+            layer = self.rows[r]
+            if layer is not None and id(layer) in used:
+                layer = layer.shallow_copy()
+            elif layer is not None:
+                used.add(id(layer))
+            picked.append(layer)
+        self.rows = picked
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._take(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._take([r for r in range(len(self.rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices) -> None:
+        self._take(torch.arange(len(self.rows))[torch.as_tensor(indices).cpu()].reshape(-1).tolist())
+
+    def reset(self) -> None:
+        self.rows = []
+        self.is_initialized = False
+
+    def _move(self, device) -> None:
+        for layer in self.rows:
+            if layer is not None:
+                layer._map(lambda t: t.to(device, non_blocking=True))
 
 
 class SpiralStateLayer(DynamicLayer):
@@ -652,7 +744,9 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         ensure_cache_slots(cache, self.layout.total)
         if type(cache.layers[self.layout.inputs]) is not DynamicLayer:
             cache.layers[self.layout.inputs] = DynamicLayer()
-        wanted = [(i, SpiralCoreLayer) for i in self.layout.core_slots()]
+        quant = getattr(cache, "loop_kv_quant", None)  # a quantized loop cache: the core rows quantize too
+        core = SpiralCoreLayer if quant is None else QuantizedSpiralCoreLayer
+        wanted = [(i, core) for i in self.layout.core_slots()]
         wanted += [(self.layout.state_slot(t), SpiralStateLayer) for t in range(self.layout.T)]
         for i, cls in wanted:
             layer = cache.layers[i]
@@ -660,7 +754,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
                 if layer.is_initialized and layer.get_seq_length() > 0:
                     raise ValueError(f"cache slot {i} holds a {type(layer).__name__} written by another model, "
                                      "not a SpiralFormer cache")
-                cache.layers[i] = cls()
+                cache.layers[i] = cls(quant) if cls is QuantizedSpiralCoreLayer else cls()
         past = cache.get_seq_length()
         if past == 0:
             for i in self.layout.core_slots():
@@ -726,7 +820,7 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
         inputs and positions, which make `crop` exact) and `kv` = tokens + core."""
         def dense(i):
             layer = cache.layers[i]
-            return 0 if not layer.is_initialized else sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
+            return 0 if not layer.is_initialized else kv_layer_bytes(layer)
 
         out = {"tokens": sum(dense(i) for i in self.layout.token_slots()),
                "core": sum(cache.layers[i].nbytes() for i in self.layout.core_slots()),
@@ -970,7 +1064,8 @@ class SpiralFormerModel(SpiralFormerPreTrainedModel):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class SpiralFormerForCausalLM(LoopedContinuousBatchingMixin, SpiralFormerPreTrainedModel, GenerationMixin):
+class SpiralFormerForCausalLM(QuantizedLoopCacheMixin, LoopedContinuousBatchingMixin, SpiralFormerPreTrainedModel,
+                              GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor / pipeline parallelism as Qwen3ForCausalLM: the backbone's plan comes from the config (Qwen3's
     # `base_model_tp_plan`), the LM head is column-sharded with gathered logits; the loop's own modules are replicated.

@@ -39,6 +39,7 @@ from .loop_utils import (
     LayerCollector,
     LoopCacheView,
     LoopedContinuousBatchingMixin,
+    QuantizedLoopCacheMixin,
     Qwen3DecoderLayer,
     accepts_cache_kwarg,
     additive_mask,
@@ -1057,7 +1058,8 @@ class TaH2Model(TaH2PreTrainedModel):
         )
 
 
-class TaH2ForCausalLM(LoopedContinuousBatchingMixin, TaH2PreTrainedModel, TaH2GenerationMixin):  # continuous depth
+class TaH2ForCausalLM(QuantizedLoopCacheMixin, LoopedContinuousBatchingMixin, TaH2PreTrainedModel,
+                      TaH2GenerationMixin):  # continuous depth
     # Layout of the deeper depths of a training objective: "auto" = flat (varlen, `_Packing.flat_of`) where it costs
     # fewer FLOPs than per-row padding (`_flat_is_cheaper`), "flat", or "per_row". The same values up to float rounding
     # (tests compare the two).
