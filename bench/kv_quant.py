@@ -29,27 +29,15 @@ _done: set = set()
 
 
 def _model(arch: str, device: str):
-    from hf_loops.conversion import convert_qwen3
-    from hf_loops.data import default_base_dir
+    from .quantized import converted_base_model
 
-    if arch == "tah2":
-        model = convert_qwen3(default_base_dir(), "tah2", dtype=torch.float32, seed=0, max_iterations=2)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            model.decider.score.weight.normal_(0.0, 2.0 / model.config.hidden_size ** 0.5)
-    else:
-        model = convert_qwen3(default_base_dir(), arch, dtype=torch.float32, seed=0)
-    return model.to(device).eval()
+    return converted_base_model(arch).to(device).eval()
 
 
 def _kv_bytes(model, cache) -> int:
-    from hf_loops.modeling.kv_quant import kv_layer_bytes
+    from hf_loops.modeling.kv_quant import cache_kv_bytes
 
-    if hasattr(cache, "kv_bytes"):
-        return cache.kv_bytes()
-    if hasattr(model.model, "cache_bytes"):
-        return model.model.cache_bytes(cache)["kv"]
-    return sum(kv_layer_bytes(layer) for layer in cache.layers)
+    return cache_kv_bytes(model, cache)
 
 
 @torch.no_grad()

@@ -57,7 +57,9 @@ def _nll_depths(model, ids: torch.Tensor, window: int = 256):
     return total / count, (torch.cat(depths) if depths else None)
 
 
-def _converted_base(arch: str, out: str) -> str:
+def converted_base_model(arch: str):
+    """The embedded base converted to `arch` in fp32 (TaH2: M = 2, its decider scores drawn wide enough that depths
+    mix; seeded)."""
     from hf_loops.conversion import convert_qwen3
     from hf_loops.data import default_base_dir
 
@@ -68,7 +70,11 @@ def _converted_base(arch: str, out: str) -> str:
             model.decider.score.weight.normal_(0.0, 2.0 / model.config.hidden_size ** 0.5)
     else:
         model = convert_qwen3(default_base_dir(), arch, dtype=torch.float32, seed=0)
-    model.save_pretrained(out)
+    return model
+
+
+def _converted_base(arch: str, out: str) -> str:
+    converted_base_model(arch).save_pretrained(out)
     return out
 
 

@@ -350,6 +350,16 @@ class QuantizedLoopLayer(DynamicLayer):
         return total
 
 
+def cache_kv_bytes(model, cache) -> int:
+    """Bytes of the keys and values a model's cache holds: the cache's own count where it keeps one (TaH2), the
+    model's (SpiralFormer), else the sum over its layers."""
+    if hasattr(cache, "kv_bytes"):
+        return cache.kv_bytes()
+    if hasattr(model.model, "cache_bytes"):
+        return model.model.cache_bytes(cache)["kv"]
+    return sum(kv_layer_bytes(layer) for layer in cache.layers)
+
+
 def kv_layer_bytes(layer) -> int:
     """Bytes of the keys and values a cache layer stores (a quantized layer: what it really holds)."""
     if isinstance(layer, QuantizedLoopLayer) or hasattr(layer, "nbytes"):

@@ -163,13 +163,9 @@ MEM_PROMPT, MEM_WINDOW = 768, 32
 
 
 def _kv_bytes(model, cache) -> int:
-    if hasattr(cache, "kv_bytes"):
-        return cache.kv_bytes()
-    if hasattr(model.model, "cache_bytes"):
-        return model.model.cache_bytes(cache)["kv"]
-    from hf_loops.modeling.kv_quant import kv_layer_bytes
+    from hf_loops.modeling.kv_quant import cache_kv_bytes
 
-    return sum(kv_layer_bytes(layer) for layer in cache.layers)
+    return cache_kv_bytes(model, cache)
 
 
 def _prefill_bytes(model, cache, ids):
