@@ -63,10 +63,16 @@ class DepthTaskSpec:
         return (COPY, *(str(k) for k in range(1, self.digits + 2)))
 
 
-def split_of(a: int, b: int) -> str:
-    """The split a problem belongs to: a stable hash (sha256) of "a+b", modulo 3 (train 0, validation 1, test 2)."""
-    h = int.from_bytes(hashlib.sha256(f"{a}+{b}".encode()).digest()[:8], "big")
+def hash_split(text: str) -> str:
+    """The split of the problem written `text`: a stable hash (sha256) of it, modulo 3 (train 0, validation 1,
+    test 2)."""
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
     return SPLITS[h % 3]
+
+
+def split_of(a: int, b: int) -> str:
+    """The split a problem belongs to: `hash_split` of "a+b"."""
+    return hash_split(f"{a}+{b}")
 
 
 def reaches(a: int, b: int, digits: int) -> list[int]:
@@ -180,5 +186,5 @@ def level_stats(items: Sequence[dict]) -> dict[str, dict]:
             for lab, (n, c, d, nc, nd) in sorted(sums.items(), key=lambda kv: (kv[0] != COPY, kv[0]))}
 
 
-__all__ = ["COPY", "SPLITS", "DepthTaskSpec", "level_stats", "make_split", "reaches", "render", "split_of",
+__all__ = ["COPY", "SPLITS", "DepthTaskSpec", "hash_split", "level_stats", "make_split", "reaches", "render", "split_of",
            "token_labels", "write_sft", "write_depth_splits"]

@@ -3,6 +3,7 @@
     hf-loops eval CHECKPOINT [--baseline CHECKPOINT] --dataset FILE_OR_HUB_ID [--split NAME[a:b]]
                   [--max-new-tokens N] [--batch-size B] [--answer-pattern gsm8k|last-number|REGEX] --out DIR
     hf-loops eval CHECKPOINT --task depth [--n K] [--data-seed N] [--digits D] [--nine-prob P] [--json] [--out DIR]
+    hf-loops eval CHECKPOINT --task hop [--n K] [--data-seed N] [--n-sym S] [--n-queries Q] [--max-hops H] [--json]
 
 Per model it measures, on the same examples:
 - answer NLL and perplexity over the assistant (completion) tokens only, teacher-forced — the tokens TRL's SFT
@@ -18,10 +19,11 @@ Batched with left padding; a batch gives the numbers of a per-row loop (tests ch
 depth map HTML/PNG, depth-by-class and loss-curve PNGs) go to a new directory written atomically.
 The same numbers from Python: `hf_loops.evaluation.evaluate(model_or_path, dataset=...)`.
 
-`--task depth` scores `--n` problems generated with `--data-seed` (`hf_loops.evaluation.tasks`) instead of a dataset;
+`--task depth|hop` scores `--n` problems generated with `--data-seed` (`hf_loops.evaluation.tasks`) instead of a dataset;
 `--json` prints one object: exact_match, answer_nll, mean_depth, generated_depth, decode_flops_ratio (÷ the Standard
 formula's FLOPs at the same prompt and generated lengths), train_time_ratio (null: an evaluation cannot know it) and
-by_difficulty (per carry-reach level: teacher-forced argmax accuracy, share of depth >= 2 tokens, tokens).
+by_difficulty (per difficulty level, carry reach or hops: teacher-forced argmax accuracy, share of depth >= 2 tokens,
+tokens).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .examples import answer_regex, load_examples
 from .metrics import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, evaluate
 from .models import check_checkpoint_path
 from .report import comparison_rows, console_table, output_dir, write_eval
-from .tasks import TASKS, DepthTaskRun, depth_summary, depth_task_run
+from .tasks import TASKS, DepthTaskRun, depth_summary, depth_task_run, hop_task_run
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,12 +71,16 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("--task", "problems generated from a seed instead of --dataset")
     t.add_argument("--task", default=None, metavar="NAME",
                    help=f"one of: {', '.join(TASKS)}. depth = fixed-width addition labelled by carry reach "
-                        "(hf_loops.data.depth_task), scored like a dataset")
+                        "(hf_loops.data.depth_task); hop = k-hop lookup in an in-context permutation labelled by "
+                        "hops (hf_loops.data.hop_task); scored like a dataset")
     t.add_argument("--n", type=int, default=None, help="problems to generate (default 100)")
     t.add_argument("--data-seed", type=int, default=None, help="seed of the generated problems (default 0)")
     t.add_argument("--digits", type=int, default=None, help="depth: operand digits, 2-8 (default 4)")
     t.add_argument("--nine-prob", type=float, default=None,
                    help="depth: probability that a column's digits sum to 9 (default 0.3)")
+    t.add_argument("--n-sym", type=int, default=None, help="hop: letter pairs of the permutation, 3-26 (default 8)")
+    t.add_argument("--n-queries", type=int, default=None, help="hop: queries per problem, 1..n-sym (default 4)")
+    t.add_argument("--max-hops", type=int, default=None, help="hop: largest hop count (default 2)")
     t.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table: exact_match, answer_nll, mean_depth, "
                         "generated_depth, decode_flops_ratio (÷ the Standard formula at the same lengths), "
@@ -82,7 +88,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                         "by_difficulty {level: {accuracy, deep_share, tokens}}")
 
 
-TASK_FLAGS = (("--n", "n"), ("--data-seed", "data_seed"), ("--digits", "digits"), ("--nine-prob", "nine_prob"))
+TASK_FLAGS = (("--n", "n"), ("--data-seed", "data_seed"), ("--digits", "digits"), ("--nine-prob", "nine_prob"),
+              ("--n-sym", "n_sym"), ("--n-queries", "n_queries"), ("--max-hops", "max_hops"))
+# the flags of one task only
+TASK_ONLY_FLAGS = {"depth": (("--digits", "digits"), ("--nine-prob", "nine_prob")),
+                   "hop": (("--n-sym", "n_sym"), ("--n-queries", "n_queries"), ("--max-hops", "max_hops"))}
 
 
 def set_threads(n: int | None) -> None:
@@ -105,18 +115,27 @@ def _task_run(args) -> DepthTaskRun | None:
         if given:
             raise ValueError(f"{', '.join(given)}: only with --task ({', '.join(TASKS)})")
         if args.dataset is None:
-            raise ValueError("--dataset is required (or --task depth: generated problems)")
+            raise ValueError("--dataset is required (or --task depth|hop: generated problems)")
         if args.out is None:
             raise ValueError("--out is required with --dataset")
         return None
     if task not in TASKS:
         raise ValueError(f"--task must be one of: {', '.join(TASKS)}; got {task!r}")
     if args.dataset is not None:
-        raise ValueError("--task depth generates its problems: drop --dataset")
+        raise ValueError(f"--task {task} generates its problems: drop --dataset")
     if args.answer_pattern != "gsm8k":
-        raise ValueError("--answer-pattern: --task depth scores the gsm8k pattern (#### N) its answers end with")
+        raise ValueError(f"--answer-pattern: --task {task} scores its own answer line (depth: #### N; hop: the whole "
+                         "#### line)")
     if args.json and args.baseline:
         raise ValueError("--json reports one checkpoint: drop --baseline (or --json for the table)")
+    for other, flags in TASK_ONLY_FLAGS.items():
+        given = [flag for flag, key in flags if other != task and getattr(args, key, None) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --task {other}")
+    if task == "hop":
+        return hop_task_run(or_default(args.n, 100), or_default(args.data_seed, 0), or_default(args.n_sym, 8),
+                            or_default(args.n_queries, 4), or_default(args.max_hops, 2),
+                            or_default(args.split, "test"))
     return depth_task_run(or_default(args.n, 100), or_default(args.data_seed, 0), or_default(args.digits, 4),
                           or_default(args.nine_prob, 0.3), or_default(args.split, "test"))
 
@@ -146,7 +165,8 @@ def cmd_eval(args, argv: Sequence[str] | None = None) -> int:
         for i, ckpt in enumerate(([args.baseline] if args.baseline else []) + [args.checkpoint]):
             results.append(evaluate(ckpt, examples=examples, dataset=task.describe() if task else args.dataset,
                                     split=task.split if task else args.split, batch_size=args.batch_size,
-                                    max_new_tokens=max_new_tokens, answer_pattern=args.answer_pattern,
+                                    max_new_tokens=max_new_tokens,
+                                    answer_pattern=task.answer_pattern if task else args.answer_pattern,
                                     max_iterations=args.max_iterations, exit_threshold=args.exit_threshold,
                                     stop_strings=args.stop,
                                     decider_accuracy=not args.no_decider_accuracy and not args.json,

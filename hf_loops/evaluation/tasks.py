@@ -1,6 +1,10 @@
 """`hf-loops eval --task NAME`: problems generated fresh from a seed instead of read from `--dataset`, and the task's
 one-object summary (`--json`).
 
+`hop` (`hf_loops.data.hop_task`): k-hop lookup in an in-context permutation, every result letter labelled by its hop
+count ("copy", "1", ..., str(max_hops)); `--n-sym` / `--n-queries` / `--max-hops` set the `HopTaskSpec`. Exact match
+compares the whole answer line (every restated query with its result, `hop_task.ANSWER_PATTERN`).
+
 `depth` (`hf_loops.data.depth_task`): fixed-width addition written most significant digit first, every answer
 character labelled by the carry reach that decides it ("copy", "1", ..., str(digits + 1)). `--n` problems of the
 `--split` (default test) split drawn with `--data-seed`, `--digits` / `--nine-prob` set the `DepthTaskSpec`. They are
@@ -13,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..data import depth_task
+from ..data import depth_task, hop_task
 from .examples import EvalExample, row_to_example
 
-TASKS = ("depth",)
+TASKS = ("depth", "hop")
 # The fields of `hf-loops eval --task depth --json`, in order.
 DEPTH_SUMMARY_FIELDS = ("exact_match", "answer_nll", "mean_depth", "generated_depth", "decode_flops_ratio",
                         "train_time_ratio", "by_difficulty")
@@ -30,6 +34,8 @@ class DepthTaskRun:
     n: int
     seed: int = 0
     split: str = "test"
+    answer_pattern = "gsm8k"  # what exact match compares: the `#### N` line
+    name = "depth"
 
     def rows(self) -> list[dict]:
         """The problems ({"question", "answer", "labels", "a", "b"}), the same for the same settings."""
@@ -56,27 +62,74 @@ class DepthTaskRun:
         return len(depth_task.render(top, top, self.spec.digits)["answer"]) + 1
 
 
-def depth_task_run(n: int, seed: int = 0, digits: int = 4, nine_prob: float = 0.3, split: str = "test"
-                   ) -> DepthTaskRun:
-    """A `DepthTaskRun` from the command's flags; a bad value is refused naming its flag."""
+@dataclass(frozen=True)
+class HopTaskRun(DepthTaskRun):
+    """Which hop-task problems to score: `n` problems of `split`, drawn with `seed`, from `spec`."""
+
+    spec: hop_task.HopTaskSpec
+    answer_pattern = hop_task.ANSWER_PATTERN  # the whole answer line
+    name = "hop"
+
+    def rows(self) -> list[dict]:
+        """The problems ({"question", "answer", "labels"}), the same for the same settings."""
+        try:
+            return hop_task.make_split(self.split, self.n, self.seed, self.spec)
+        except ValueError as err:
+            raise ValueError(f"--n {self.n}: {err}") from None
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"hop task (n_sym={s.n_sym}, n_queries={s.n_queries}, max_hops={s.max_hops}, {self.split} split, "
+                f"seed {self.seed}, {self.n} problems)")
+
+    def max_new_tokens(self) -> int:
+        """The answer's length (one token per character at most) and the end of turn."""
+        return hop_task.answer_length(self.spec) + 1
+
+
+def _flag_error(err: ValueError, fields: tuple[tuple[str, str], ...]) -> ValueError:
+    """`err` ("field must be ...") with the field's flag in its place."""
+    text = str(err)
+    for field, flag in fields:
+        if text.startswith(field + " "):
+            text = flag + text[len(field):]
+    return ValueError(text)
+
+
+def _check_run_flags(n: int, seed: int, split: str, task: str) -> None:
     from ..core.numbers import check_int
 
     check_int("--n", n, 1)
     check_int("--data-seed", seed, 0)
     if split not in depth_task.SPLITS:
-        raise ValueError(f"--split with --task depth must be one of {', '.join(depth_task.SPLITS)}, got {split!r}")
+        raise ValueError(f"--split with --task {task} must be one of {', '.join(depth_task.SPLITS)}, got {split!r}")
+
+
+def hop_task_run(n: int, seed: int = 0, n_sym: int = 8, n_queries: int = 4, max_hops: int = 2, split: str = "test"
+                 ) -> HopTaskRun:
+    """A `HopTaskRun` from the command's flags; a bad value is refused naming its flag."""
+    _check_run_flags(n, seed, split, "hop")
+    try:
+        spec = hop_task.HopTaskSpec(n_sym=n_sym, n_queries=n_queries, max_hops=max_hops)
+    except ValueError as err:
+        raise _flag_error(err, (("n_sym", "--n-sym"), ("n_queries", "--n-queries"), ("max_hops", "--max-hops"))
+                          ) from None
+    return HopTaskRun(spec, n, seed, split)
+
+
+def depth_task_run(n: int, seed: int = 0, digits: int = 4, nine_prob: float = 0.3, split: str = "test"
+                   ) -> DepthTaskRun:
+    """A `DepthTaskRun` from the command's flags; a bad value is refused naming its flag."""
+    _check_run_flags(n, seed, split, "depth")
     try:
         spec = depth_task.DepthTaskSpec(digits=digits, nine_prob=nine_prob)
     except ValueError as err:  # "digits must be ..." / "nine_prob must be ...": name the flag
-        text = str(err)
-        for field, flag in (("digits", "--digits"), ("nine_prob", "--nine-prob")):
-            if text.startswith(field + " "):
-                text = flag + text[len(field):]
-        raise ValueError(text) from None
+        raise _flag_error(err, (("digits", "--digits"), ("nine_prob", "--nine-prob"))) from None
     return DepthTaskRun(spec, n, seed, split)
 
 
-def depth_summary(result: dict, rows: list[dict], spec: depth_task.DepthTaskSpec, config, prompt_lengths: list[int]
+def depth_summary(result: dict, rows: list[dict], spec: depth_task.DepthTaskSpec | hop_task.HopTaskSpec, config,
+                  prompt_lengths: list[int]
                   ) -> dict:
     """The `--json` object of one `evaluate` result on `rows` (its examples in the same order, evaluated with
     `token_accuracy=True`). `config`: the model's config; `prompt_lengths`: each problem's prompt tokens (for the
@@ -114,4 +167,5 @@ def depth_summary(result: dict, rows: list[dict], spec: depth_task.DepthTaskSpec
     }
 
 
-__all__ = ["DEPTH_SUMMARY_FIELDS", "TASKS", "DepthTaskRun", "depth_summary", "depth_task_run"]
+__all__ = ["DEPTH_SUMMARY_FIELDS", "TASKS", "DepthTaskRun", "HopTaskRun", "depth_summary", "depth_task_run",
+           "hop_task_run"]

@@ -1,7 +1,9 @@
 """One name per concept: the moved-module shims stay gone, and no public top-level function or class name is defined
 in two modules of the package (a second `check_output_dir` with another signature is how callers picked the wrong
 one). Entry-point conventions (`main`, `build_parser`, `add_arguments`) and the per-architecture FLOPs interface
-(`decode_flops` in each `core/flops_*.py`, reached through the registry) are the allowed repeats."""
+(`decode_flops` in each `core/flops_*.py`, reached through the registry) and the task generators' interface
+(`make_split(split, n, seed, spec)` and `render` in each `data/*_task.py`, always called module-qualified) are the
+allowed repeats."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hf_loops"
 ENTRY_POINTS = {"main", "build_parser", "add_arguments"}
-INTERFACES = {"decode_flops": {"core/flops_tah2.py", "core/flops_sgt.py", "core/flops_spiralformer.py"}}
+TASK_GENERATORS = {"data/depth_task.py", "data/hop_task.py"}
+INTERFACES = {"decode_flops": {"core/flops_tah2.py", "core/flops_sgt.py", "core/flops_spiralformer.py"},
+              "make_split": TASK_GENERATORS, "render": TASK_GENERATORS}
 MOVED = ["hf_loops.analysis.flops_sgt", "hf_loops.analysis.flops_spiralformer", "hf_loops.analysis.flops_tah2",
          "hf_loops.training.sgt_selection", "hf_loops.conversion.outdir"]
 
