@@ -10,7 +10,8 @@ import os
 import time
 
 import common as C
-import hop_task as H
+import hop2_task as H2
+import hop_task as H1
 import torch
 
 
@@ -31,6 +32,9 @@ def main(argv=None):
     p.add_argument("--max-hops", type=int, default=2)
     p.add_argument("--n-train", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", default="at_x", choices=["pkg", "at_x", "eq"],
+                   help="pkg: hf_loops.data.hop_task (hash-disjoint splits); at_x: hop2_task; eq: hop_task")
+    p.add_argument("--tag", default="")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--save", default=None)
     a = p.parse_args(argv)
@@ -38,8 +42,16 @@ def main(argv=None):
     kw = dict(n_sym=a.n_sym, n_queries=a.n_queries, max_hops=a.max_hops)
     tok = C.tokenizer()
     enc = C.CharEncoder(tok)
-    lv = H.levels(a.max_hops)
-    tr_rows, va_rows = H.make_split("train", a.n_train, 0, **kw), H.make_split("validation", 1000, 0, **kw)
+    if a.format == "pkg":
+        from hf_loops.data import hop_task as HP
+
+        spec = HP.HopTaskSpec(**kw)
+        lv = spec.levels
+        tr_rows, va_rows = HP.make_split("train", a.n_train, 0, spec), HP.make_split("validation", 1000, 0, spec)
+    else:
+        H = H2 if a.format == "at_x" else H1
+        lv = H.levels(a.max_hops)
+        tr_rows, va_rows = H.make_split("train", a.n_train, 0, **kw), H.make_split("validation", 1000, 0, **kw)
     enc.check(tr_rows[:20])
     tr, va = C.tensors_levels(enc, tr_rows, lv), C.tensors_levels(enc, va_rows, lv)
     if a.tah2_preset:
@@ -47,7 +59,7 @@ def main(argv=None):
                                     seed=a.seed)
     else:
         model = C.qwen3(a.layers, hidden=a.hidden, heads=a.heads, ffn=a.ffn, looped=a.looped, seed=a.seed)
-    name = f"hop-L{a.layers}" + (f"x{a.looped}" if a.looped > 1 else "") + (f"-{a.tah2_preset}" if a.tah2_preset else "")
+    name = a.tag + f"hop-L{a.layers}" + (f"x{a.looped}" if a.looped > 1 else "") + (f"-{a.tah2_preset}" if a.tah2_preset else "")
     print(f"[{name}] {sum(q.numel() for q in model.parameters())} parameters, {tr['ids'].shape} train", flush=True)
     t0 = time.perf_counter()
     res = C.train(model, tr, va, a.steps, lr=a.lr, batch=a.batch, eval_every=a.eval_every, seed=a.seed,

@@ -56,10 +56,21 @@ def data_files(root: str, n_train: int, n_val: int, spec) -> dict:
     """`spec`: a `DepthTaskSpec` (addition) or a dict of `hop_task.make_problem` arguments (k-hop lookup)."""
     os.makedirs(root, exist_ok=True)
     if isinstance(spec, dict):
-        import hop_task as H
+        spec = dict(spec)
+        import hop2_task as H2
+        import hop_task as H1
 
-        tag = "hop_" + "_".join(f"{k}{v}" for k, v in sorted(spec.items()))
-        make = lambda split, n: H.make_split(split, n, 0, **spec)  # noqa: E731
+        fmt = spec.pop("format", "eq")
+        if fmt == "pkg":  # the package's generator; post-training data drawn with seed 1 (the base saw seed 0's)
+            from hf_loops.data import hop_task as HP
+
+            hp = HP.HopTaskSpec(**spec)
+            tag = "hoppkg_" + "_".join(f"{k}{v}" for k, v in sorted(spec.items()))
+            make = lambda split, n: HP.make_split(split, n, 1 if split == "train" else 0, hp)  # noqa: E731
+        else:
+            H = H2 if fmt == "at_x" else H1
+            tag = ("hop2_" if H is H2 else "hop_") + "_".join(f"{k}{v}" for k, v in sorted(spec.items()))
+            make = lambda split, n: H.make_split(split, n, 0, **spec)  # noqa: E731
     else:
         tag = f"d{spec.digits}_p{spec.nine_prob}"
         make = lambda split, n: D.make_split(split, n, 0, spec)  # noqa: E731
@@ -108,7 +119,7 @@ def level_report(result: dict, rows: list[dict]) -> dict:
 
 
 def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, model_fields, keep, workdir,
-            max_new_tokens=48):
+            max_new_tokens=48, answer_pattern=r"####\s*(\w+)"):
     from hf_loops.evaluation.metrics import evaluate
     from hf_loops.training.train_tah2 import train
 
@@ -123,7 +134,7 @@ def run_one(base, arch, seed, train_file, val_examples, val_rows, settings, mode
     t1 = time.perf_counter()
     # addition restates the operands, then digits + 1 result digits and the answer line: 3·digits + ~12 tokens
     res = evaluate(out, examples=val_examples, batch_size=250, max_new_tokens=max_new_tokens, progress=False,
-                   decider_accuracy=False, answer_pattern=r"####\s*(\w+)")
+                   decider_accuracy=False, answer_pattern=answer_pattern)
     ev = time.perf_counter() - t1
     m = res["metrics"]
     # Eq. 18 for TaH2-fixed, recomputed here as a check: `evaluate` now prices TaH2-fixed by Eq. 18 too
@@ -163,7 +174,7 @@ def main(argv=None):
     p.add_argument("--digits", type=int, default=4)
     p.add_argument("--nine-prob", type=float, default=0.3)
     p.add_argument("--n-val", type=int, default=1000)
-    p.add_argument("--task", default="addition", choices=["addition", "hop"])
+    p.add_argument("--task", default="addition", choices=["addition", "hop", "hop2", "hoppkg"])
     p.add_argument("--n-sym", type=int, default=8)
     p.add_argument("--n-queries", type=int, default=4)
     p.add_argument("--max-hops", type=int, default=2)
@@ -175,8 +186,9 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from hf_loops.evaluation.examples import load_examples
 
-    if a.task == "hop":
-        spec = {"n_sym": a.n_sym, "n_queries": a.n_queries, "max_hops": a.max_hops}
+    if a.task in ("hop", "hop2", "hoppkg"):
+        spec = {"n_sym": a.n_sym, "n_queries": a.n_queries, "max_hops": a.max_hops,
+                "format": {"hop2": "at_x", "hoppkg": "pkg"}.get(a.task, "eq")}
     else:
         spec = D.DepthTaskSpec(digits=a.digits, nine_prob=a.nine_prob)
     root = os.path.join(C.OUT, "retrofit")
@@ -189,7 +201,8 @@ def main(argv=None):
     for seed in [int(s) for s in a.seeds.split(",")]:
         for arch in a.archs.split(","):
             rec = run_one(a.base, arch, seed, files["train"][0], val_examples, files["validation"][1], settings,
-                          model_fields, a.keep, os.path.join(root, "runs"), max_new_tokens=(6 * a.n_queries + 8 if a.task == "hop" else 3 * a.digits + 16))
+                          model_fields, a.keep, os.path.join(root, "runs"), max_new_tokens=(6 * a.n_queries + 8 if a.task.startswith("hop") else 3 * a.digits + 16),
+                          answer_pattern=r"####\s*([0-9a-z ]+)" if a.task in ("hop2", "hoppkg") else r"####\s*(\w+)")
             rec.update(tag=a.tag, settings=settings, model_fields=model_fields if arch != "standard" else {},
                        base=a.base, command="python experiments/depth_bound/retrofit.py " + " ".join(argv or []))
             with open(os.path.join(root, "results.jsonl"), "a", encoding="utf-8") as f:
