@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Post-trains the embedded base as Standard, TaH2 and TaH2-fixed on the seeded arithmetic task and as Standard and TaH2
-# on 80 GSM8K problems, three seeds each, evaluates every run on its held-out split, writes demo_out/.
+# Post-trains the embedded 1-hop base as Standard, TaH2 and TaH2-fixed on the depth-bound k-hop task, three seeds each,
+# scores every run on 500 held-out problems, writes demo_out/ (summary.json, report.md, hop/). The older arithmetic and
+# GSM8K demo: hf-loops demo --task both.
 demo: $(STAMP)
 	$(BIN)/hf-loops demo --overwrite
 

@@ -387,6 +387,7 @@ def _problems(path, n=3):
 @pytest.mark.slow
 def test_evaluation_commands_run_as_documented(tmp_path, base, capsys):
     exported(base, "tah2", tmp_path / "demo_out" / "tah2", max_iterations=2)
+    shutil.copytree(tmp_path / "demo_out" / "tah2", tmp_path / "demo_out" / "hop" / "tah2-seed0")  # make demo's
     shutil.copytree(base, tmp_path / "demo_out" / "standard")
     _problems(tmp_path / "demo_out" / "data" / "heldout.jsonl")
     exported(base, "spiralformer", tmp_path / "my-spiralformer", chunk_sizes=[2, 1])
@@ -396,11 +397,13 @@ def test_evaluation_commands_run_as_documented(tmp_path, base, capsys):
         out = run_hf_loops(command, tmp_path, capsys)
         check_creates(entry, tmp_path)
         argv = shlex.split(command)
-        if "--json" in argv:  # --task depth: one JSON object, the documented fields
+        if "--json" in argv:  # --task depth|hop: one JSON object, the documented fields
             summary = json.loads(out)
             assert set(summary) == {"exact_match", "answer_nll", "mean_depth", "generated_depth",
                                     "decode_flops_ratio", "train_time_ratio", "by_difficulty"}, command
-            assert list(summary["by_difficulty"]) == ["copy", "1", "2", "3", "4", "5"]  # --digits 4
+            levels = {"depth": ["copy", "1", "2", "3", "4", "5"], "hop": ["copy", "1", "2"]}  # --digits 4; 2 hops
+            assert list(summary["by_difficulty"]) == levels[argv[argv.index("--task") + 1]]
+            assert summary["by_difficulty"]["copy"]["tokens"] > 0 and summary["by_difficulty"]["1"]["tokens"] > 0
             assert summary["train_time_ratio"] is None and 0 <= summary["exact_match"] <= 1
             continue
         with open(tmp_path / argv[argv.index("--out") + 1] / "eval.json", encoding="utf-8") as f:

@@ -34,3 +34,23 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     # the example exports a model and reloads it: the folder it names is complete
     assert os.path.isfile(tmp_path / "my-tah2" / "config.json")
     assert os.path.isfile(tmp_path / "my-tah2" / "README.md")
+
+
+def test_the_readme_first_table_is_the_committed_demo_summary():
+    """The README's first tables are `make demo`'s summary.json as committed in docs/demo_summary.json, row by row,
+    and its claim lines are that summary's claim tests; the first table of the README is the depth-bound task's."""
+    import json
+
+    from hf_loops.demo.hop import claims, summary_markdown
+
+    with open(os.path.join(REPO, "docs", "demo_summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    tables = summary_markdown(summary)
+    for line in tables.splitlines():
+        assert line in text, f"README lacks the demo summary's row {line!r}"
+    first_table = next(line for line in text.splitlines() if line.startswith("|"))
+    assert first_table == tables.splitlines()[0]
+    for name, ok, numbers in claims(summary["tasks"]["hop"]):
+        assert f"**{'held' if ok else 'did not hold'}:** {name} ({numbers})" in text, name

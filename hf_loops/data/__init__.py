@@ -3,6 +3,9 @@
 - `base/`: the default base model, a tiny Qwen3-architecture causal LM pretrained by
   `hf_loops.training.pretrain_base` on Shakespeare, the Python docs and GSM8K text, with its own 8k byte-level BPE
   tokenizer and a Qwen3-style chat template. Load it with `AutoModelForCausalLM.from_pretrained(default_base_dir())`.
+- `hop_base/`: the base of `make demo`'s depth-bound task (`hop_task`), a 2-layer Qwen3 with a 64-character tokenizer
+  pretrained from scratch on 1-hop lookup problems by `experiments/depth_bound/hop_pretrain.py` (its README.md: the
+  command, steps, tokens, curve). Load it with `AutoModelForCausalLM.from_pretrained(hop_base_dir())`.
 - `gsm8k/gsm8k_test_100.jsonl`: 100 GSM8K test problems (MIT).
 
 No network is needed for either.
@@ -25,6 +28,11 @@ def default_base_dir() -> str:
     return os.path.join(DATA_DIR, "base")
 
 
+def hop_base_dir() -> str:
+    """Directory of the embedded 1-hop base of the hop task (config, safetensors weights, tokenizer, README)."""
+    return os.path.join(DATA_DIR, "hop_base")
+
+
 def gsm8k_path() -> str:
     """Path of the vendored 100 GSM8K test problems (`{"id_orig", "question", "answer"}` per line)."""
     return os.path.join(DATA_DIR, "gsm8k", "gsm8k_test_100.jsonl")
@@ -44,5 +52,6 @@ __all__ = [
     "GSM8K_PRETRAIN_ANSWER_ROWS",
     "default_base_dir",
     "gsm8k_path",
+    "hop_base_dir",
     "load_gsm8k",
 ]

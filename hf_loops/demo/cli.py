@@ -1,6 +1,12 @@
-"""`hf-loops demo` (`make demo`): the main job, end to end, offline, on the embedded base.
+"""`hf-loops demo` (`make demo`): the main job, end to end, offline, on an embedded base.
 
-Default (`--task both`), one pool of worker processes (`--workers`, one per core, at most 2) for every run:
+Default (`--task hop`, what `make demo` runs): the depth-bound k-hop lookup task (`hf_loops.demo.hop`): Standard, TaH2
+and TaH2-fixed post-trained from the embedded 1-hop base (`hf_loops.data.hop_base_dir()`), `--seeds` seeds each, on
+one pool of worker processes (`--workers`, one per core, at most 2), scored on the held-out test split as
+`hf-loops eval CKPT --task hop --json` scores it → OUT/summary.json, OUT/report.md, OUT/hop/ (the seed-0 checkpoints,
+runs.json, pictures).
+
+`--task both`: the older pair of tasks on the embedded 3M base, one pool of workers for every run:
 1. the arithmetic task (`hf_loops.demo.arithmetic_task`): Standard, TaH2 and TaH2-fixed on seeded GSM8K-formatted calculator
    chains, `--seeds` seeds each, evaluated on a held-out split → OUT/arithmetic/;
 2. GSM8K: the vendored 100 problems split 80 train / 20 held out (the held-out answers were never seen by the base);
@@ -28,13 +34,17 @@ from ..evaluation.metrics import DEFAULT_BATCH_SIZE
 from ..evaluation.report import console_table, depth_rows
 from .arithmetic_task import run_arithmetic_demo
 from .gsm8k import run_demo
+from .hop import run_hop_demo
 from .settings import (
     ARITHMETIC_TRAINING,
     DEMO_HELDOUT,
     DEMO_MAX_NEW_TOKENS,
     DEMO_TASKS,
     DEMO_TRAINING,
+    HOP_SIZES,
+    HOP_TRAINING,
     ArithmeticOptions,
+    HopOptions,
 )
 from .walkthrough import RANDOM_PROMPT, random_walkthrough
 
@@ -44,21 +54,25 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default=None,
                    help="question/answer .jsonl or Hub dataset id (default: the vendored 100 GSM8K problems)")
     p.add_argument("--split", default=None, help="NAME or NAME[start:stop] of --dataset")
-    p.add_argument("--heldout", type=int, default=DEMO_HELDOUT, help="rows held out for evaluation (the last ones)")
+    p.add_argument("--heldout", type=int, default=None,
+                   help=f"problems held out for evaluation (default: hop {HOP_SIZES['n_heldout']} test-split problems; "
+                        f"GSM8K the last {DEMO_HELDOUT} rows)")
     p.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"training steps per run, both tasks (default: arithmetic {ARITHMETIC_TRAINING['max_steps']}, "
-                        f"GSM8K {DEMO_TRAINING['max_steps']})")
+                   help=f"training steps per run (default: hop {HOP_TRAINING['max_steps']}, arithmetic "
+                        f"{ARITHMETIC_TRAINING['max_steps']}, GSM8K {DEMO_TRAINING['max_steps']})")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"generation length at evaluation (default {DEMO_MAX_NEW_TOKENS}; --random: 16)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="evaluation batch size")
     p.add_argument("--max-iterations", type=int, default=None, help="M of the TaH2 run (default 2; --random: 3)")
     p.add_argument("--seed", type=int, default=0, help="the first seed (the runs use --seeds seeds from it)")
-    p.add_argument("--task", choices=DEMO_TASKS, default="both",
-                   help="both (default, what make demo runs): the arithmetic task (Standard, TaH2, TaH2-fixed) and "
-                        "the GSM8K run (Standard, TaH2), one pool of workers, the arithmetic part in OUT/arithmetic; "
-                        "arithmetic / gsm8k: one of them. --base/--dataset: gsm8k only")
+    p.add_argument("--task", choices=DEMO_TASKS, default=None,
+                   help="hop (default, what make demo runs): the depth-bound k-hop task from the embedded 1-hop base "
+                        "(Standard, TaH2, TaH2-fixed); both: the arithmetic task (Standard, TaH2, TaH2-fixed) and "
+                        "the GSM8K run (Standard, TaH2) on the embedded 3M base, one pool of workers, the arithmetic "
+                        "part in OUT/arithmetic; arithmetic / gsm8k: one of them. --base/--dataset: gsm8k only (the default "
+                        "task when either is given)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per run (default 3)")
     p.add_argument("--workers", type=int, default=None,
                    help="runs side by side, one process each (default: one per CPU core, at most 2)")
@@ -87,10 +101,30 @@ def demo_command(args, argv: list[str] | None = None) -> int:
         check_int("--workers", args.workers, 1)
     seeds = tuple(range(args.seed, args.seed + args.seeds))
     task = getattr(args, "task", "gsm8k")
+    if task is None:  # a custom base or dataset: the question/answer pipeline; else the depth-bound task
+        task = "gsm8k" if args.base or args.dataset else "hop"
     if task != "gsm8k" and (args.base or args.dataset):
-        if task == "arithmetic":
-            raise ValueError("--task arithmetic runs on the embedded base and its own data: drop --base/--dataset")
+        if task in ("arithmetic", "hop"):
+            raise ValueError(f"--task {task} runs on its embedded base and its own data: drop --base/--dataset "
+                             "(or pass --task gsm8k)")
         task = "gsm8k"  # a custom base or dataset: the question/answer pipeline only
+    heldout = args.heldout
+    if task == "hop":
+        if heldout is not None:
+            check_int("--heldout", heldout, 1)
+        for flag, value in (("--split", args.split), ("--max-iterations", args.max_iterations),
+                            ("--max-new-tokens", args.max_new_tokens)):
+            if value is not None:
+                raise ValueError(f"{flag}: not with --task hop (its runs use M = 2 and the answer's length)")
+        res = run_hop_demo(args.out, overwrite=args.overwrite, workers=args.workers,
+                           options=HopOptions(seeds=seeds, steps=args.steps, progress=not args.no_progress,
+                                              n_heldout=or_default(heldout, HOP_SIZES["n_heldout"])))
+        _print_hop(res)
+        print(f"\nwrote {res['out']} (summary.json, report.md, hop/: the seed-{seeds[0]} checkpoints, runs.json, "
+              f"accuracy_by_difficulty.png, deep_share_by_difficulty.png, depth_map.png) in {res['seconds']:.0f} s")
+        print(f"check a checkpoint on fresh problems: hf-loops eval {args.out}/hop/tah2-seed{seeds[0]} --task hop "
+              "--data-seed 1 --n 200 --json")
+        return 0
     if task == "arithmetic":
         res = run_arithmetic_demo(args.out, overwrite=args.overwrite, seeds=seeds, steps=args.steps,
                                   progress=not args.no_progress, workers=args.workers)
@@ -102,7 +136,8 @@ def demo_command(args, argv: list[str] | None = None) -> int:
                   else None)
     command = "hf-loops demo" + ("" if not argv else " " + shlex.join(argv))
     result = run_demo(base=args.base, dataset=args.dataset, out=args.out, overwrite=args.overwrite, split=args.split,
-                      heldout=args.heldout, steps=args.steps, max_iterations=or_default(args.max_iterations, 2),
+                      heldout=or_default(heldout, DEMO_HELDOUT), steps=args.steps,
+                      max_iterations=or_default(args.max_iterations, 2),
                       max_new_tokens=or_default(args.max_new_tokens, DEMO_MAX_NEW_TOKENS), batch_size=args.batch_size,
                       seed=args.seed, progress=not args.no_progress, command=command, seeds=seeds,
                       workers=args.workers, arithmetic=arithmetic)
@@ -121,6 +156,16 @@ def demo_command(args, argv: list[str] | None = None) -> int:
           f"depth_by_token_class.png{', arithmetic/' if result['arithmetic'] else ''}) in {result['seconds']:.0f} s")
     print(f"reproduce the seed-{seeds[0]} table: {result['eval_command']}")
     return 0
+
+
+def _print_hop(res: dict) -> None:
+    print("\nhop task, held out (mean ± std over seeds):")
+    print(console_table(*res["table"]))
+    print("\nper difficulty (teacher-forced held-out answers):")
+    print(console_table(*res["difficulty_table"]))
+    print("\nthe claim, tested:")
+    for name, ok, text in res["claims"]:
+        print(f"  {'held' if ok else 'did not hold'}: {name} ({text})")
 
 
 def _print_arithmetic(res: dict) -> None:

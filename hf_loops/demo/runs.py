@@ -12,6 +12,7 @@ import time
 from ..evaluation.cli import set_threads
 from ..evaluation.examples import load_examples, looks_like_path
 from ..evaluation.metrics import TRAIN_SUMMARY, evaluate
+from ..evaluation.tasks import task_summary
 from .settings import RunJob
 
 
@@ -36,14 +37,16 @@ def float32_base(base: str, dest: str) -> str:
 
 
 def train_one(base: str, arch: str, train_file: str, out: str, settings: dict, seed: int,
-              max_iterations: int | None = None) -> dict:
+              max_iterations: int | None = None, model_fields: dict | None = None) -> dict:
     """Post-train one run with `hf_loops.training.train_tah2.train` (what `hf-loops train` runs); write and return
-    its training summary."""
+    its training summary. `model_fields`: TaH2Config fields of a looped run (the Standard preset takes none)."""
     from ..training.train_tah2 import train
 
     t0 = time.perf_counter()
-    # a looped preset takes the demo's M; the Standard preset is one pass (M = 1)
-    model = {"max_iterations": max_iterations} if arch != "standard" and max_iterations is not None else None
+    # a looped preset takes the demo's M and model fields; the Standard preset is one pass (M = 1)
+    model = None
+    if arch != "standard" and (max_iterations is not None or model_fields):
+        model = {**(model_fields or {}), **({"max_iterations": max_iterations} if max_iterations is not None else {})}
     trainer = train(base, train_file, out, arch, model=model, trainer={**settings, "seed": seed})
     wall = time.perf_counter() - t0
     history = [dict(h) for h in trainer.state.log_history]
@@ -95,11 +98,20 @@ def run_job(job: RunJob) -> dict:
     c0 = time.process_time()
     cpu = {"startup": 0.0 if _WORKER_STARTED else c0}
     _WORKER_STARTED = True
-    train_one(job.base, job.arch, job.train_file, job.ckpt, job.settings, job.seed, job.max_iterations)
+    train_one(job.base, job.arch, job.train_file, job.ckpt, job.settings, job.seed, job.max_iterations, job.model)
     c1 = time.process_time()
-    r = evaluate(job.ckpt, examples=load_examples(job.heldout), batch_size=job.batch_size,
-                 max_new_tokens=job.max_new_tokens, progress=False, decider_accuracy=job.decider_accuracy,
-                 name=job.name)
+    if job.task_run is None:
+        r = evaluate(job.ckpt, examples=load_examples(job.heldout), batch_size=job.batch_size,
+                     max_new_tokens=job.max_new_tokens, progress=False, decider_accuracy=job.decider_accuracy,
+                     name=job.name)
+    else:  # scored exactly as `hf-loops eval CKPT --task NAME --json` scores it
+        rows = job.task_run.rows()
+        examples = job.task_run.examples(rows)
+        r = evaluate(job.ckpt, examples=examples, dataset=job.task_run.describe(), split=job.task_run.split,
+                     batch_size=job.batch_size, max_new_tokens=job.max_new_tokens, progress=False,
+                     decider_accuracy=job.decider_accuracy, name=job.name,
+                     answer_pattern=job.task_run.answer_pattern, token_accuracy=True)
+        r["summary"] = task_summary(job.ckpt, r, job.task_run, rows, examples)
     cpu.update(train=c1 - c0, evaluate=time.process_time() - c1)
     r["cpu_seconds"] = cpu
     if not job.keep:

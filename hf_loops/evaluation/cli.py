@@ -42,7 +42,7 @@ from .examples import answer_regex, load_examples
 from .metrics import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, evaluate
 from .models import check_checkpoint_path
 from .report import comparison_rows, console_table, output_dir, write_eval
-from .tasks import TASKS, DepthTaskRun, depth_summary, depth_task_run, hop_task_run
+from .tasks import TASKS, DepthTaskRun, depth_task_run, hop_task_run, task_summary
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,7 +175,7 @@ def cmd_eval(args, argv: Sequence[str] | None = None) -> int:
         command = "hf-loops eval " + shlex.join(list(argv)) if argv is not None else None
         table = write_eval(results, tmp, command=command) if tmp is not None else console_table(
             *comparison_rows(results))
-        summary = _depth_json(args.checkpoint, results[-1], task, rows, examples) if args.json else None
+        summary = task_summary(args.checkpoint, results[-1], task, rows, examples) if args.json else None
     if summary is not None:
         print(json.dumps(summary))
         return 0
@@ -183,17 +183,6 @@ def cmd_eval(args, argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         print(f"wrote {os.path.abspath(args.out)} (eval.json, eval.md, pictures)")
     return 0
-
-
-def _depth_json(ckpt: str, result: dict, task: DepthTaskRun, rows: list[dict], examples) -> dict:
-    """`depth_summary` of `ckpt`'s result, with the checkpoint's config and each problem's prompt length."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .decoding import tokenize_example
-
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    prompt_lengths = [len(tokenize_example(tokenizer, ex)[0]) for ex in examples]
-    return depth_summary(result, rows, task.spec, AutoConfig.from_pretrained(ckpt), prompt_lengths)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,5 +167,18 @@ def depth_summary(result: dict, rows: list[dict], spec: depth_task.DepthTaskSpec
     }
 
 
+def task_summary(ckpt: str, result: dict, task: DepthTaskRun, rows: list[dict], examples) -> dict:
+    """`depth_summary` of checkpoint `ckpt`'s `evaluate` result on `task`'s `rows` (as `examples`), with the
+    checkpoint's config and each problem's prompt length: what `hf-loops eval --task NAME --json` prints and the demo
+    records per run."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .decoding import tokenize_example
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    prompt_lengths = [len(tokenize_example(tokenizer, ex)[0]) for ex in examples]
+    return depth_summary(result, rows, task.spec, AutoConfig.from_pretrained(ckpt), prompt_lengths)
+
+
 __all__ = ["DEPTH_SUMMARY_FIELDS", "TASKS", "DepthTaskRun", "HopTaskRun", "depth_summary", "depth_task_run",
-           "hop_task_run"]
+           "hop_task_run", "task_summary"]
