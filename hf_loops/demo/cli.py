@@ -41,6 +41,7 @@ from .settings import (
     DEMO_MAX_NEW_TOKENS,
     DEMO_TASKS,
     DEMO_TRAINING,
+    HOP_EVAL_BATCH,
     HOP_SIZES,
     HOP_TRAINING,
     ArithmeticOptions,
@@ -64,7 +65,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         f"{ARITHMETIC_TRAINING['max_steps']}, GSM8K {DEMO_TRAINING['max_steps']})")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"generation length at evaluation (default {DEMO_MAX_NEW_TOKENS}; --random: 16)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="evaluation batch size")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"evaluation batch size (default: hop {HOP_EVAL_BATCH}, GSM8K {DEFAULT_BATCH_SIZE})")
     p.add_argument("--max-iterations", type=int, default=None, help="M of the TaH2 run (default 2; --random: 3)")
     p.add_argument("--seed", type=int, default=0, help="the first seed (the runs use --seeds seeds from it)")
     p.add_argument("--task", choices=DEMO_TASKS, default=None,
@@ -109,6 +111,8 @@ def demo_command(args, argv: list[str] | None = None) -> int:
                              "(or pass --task gsm8k)")
         task = "gsm8k"  # a custom base or dataset: the question/answer pipeline only
     heldout = args.heldout
+    if args.batch_size is not None:
+        check_int("--batch-size", args.batch_size, 1)
     if task == "hop":
         if heldout is not None:
             check_int("--heldout", heldout, 1)
@@ -118,7 +122,8 @@ def demo_command(args, argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag}: not with --task hop (its runs use M = 2 and the answer's length)")
         res = run_hop_demo(args.out, overwrite=args.overwrite, workers=args.workers,
                            options=HopOptions(seeds=seeds, steps=args.steps, progress=not args.no_progress,
-                                              n_heldout=or_default(heldout, HOP_SIZES["n_heldout"])))
+                                              n_heldout=or_default(heldout, HOP_SIZES["n_heldout"]),
+                                              batch_size=or_default(args.batch_size, HOP_EVAL_BATCH)))
         _print_hop(res)
         print(f"\nwrote {res['out']} (summary.json, report.md, hop/: the seed-{seeds[0]} checkpoints, runs.json, "
               f"accuracy_by_difficulty.png, deep_share_by_difficulty.png, depth_map.png) in {res['seconds']:.0f} s")
@@ -138,7 +143,8 @@ def demo_command(args, argv: list[str] | None = None) -> int:
     result = run_demo(base=args.base, dataset=args.dataset, out=args.out, overwrite=args.overwrite, split=args.split,
                       heldout=or_default(heldout, DEMO_HELDOUT), steps=args.steps,
                       max_iterations=or_default(args.max_iterations, 2),
-                      max_new_tokens=or_default(args.max_new_tokens, DEMO_MAX_NEW_TOKENS), batch_size=args.batch_size,
+                      max_new_tokens=or_default(args.max_new_tokens, DEMO_MAX_NEW_TOKENS),
+                      batch_size=or_default(args.batch_size, DEFAULT_BATCH_SIZE),
                       seed=args.seed, progress=not args.no_progress, command=command, seeds=seeds,
                       workers=args.workers, arithmetic=arithmetic)
     if result["arithmetic"]:

@@ -216,7 +216,7 @@ def hop_part(tmp: str, base: str, options: HopOptions | None = None):
     heldout = HopTaskRun(HOP_SPEC, options.n_heldout, HOP_HELDOUT_DATA_SEED, "test")
     os.makedirs(os.path.join(root, "runs"))
     jobs = [RunJob(task=TASK, base=base, arch=arch, seed=seed, settings=settings, train_file=train_file,
-                   heldout=heldout.describe(), batch_size=min(options.n_heldout, 250),
+                   heldout=heldout.describe(), batch_size=min(options.n_heldout, options.batch_size),
                    ckpt=os.path.join(root, f"{arch}-seed{seed}") if seed == seeds[0]
                    else os.path.join(root, "runs", f"{arch}-seed{seed}"),
                    max_new_tokens=heldout.max_new_tokens(), keep=seed == seeds[0], name=_LABEL[arch],

@@ -85,6 +85,7 @@ HOP_SEEDS = (0, 1, 2)
 HOP_TRAIN_DATA_SEED = 1
 HOP_HELDOUT_DATA_SEED = 0
 HOP_SIZES = {"n_heldout": 500}
+HOP_EVAL_BATCH = 250  # held-out problems per evaluation batch (72 tokens each)
 # The looped runs' model fields (TaH2 and TaH2-fixed alike). The `topk_embedding` updater (TaH v1: pass 2's input is
 # the probability-weighted embedding of pass 1's top-k prediction) instead of the paper's Eq. 9 learned updater: a
 # second hop is the same lookup run on pass 1's answer, which this updater hands to pass 2 as its input token. On the
@@ -196,9 +197,10 @@ class HopOptions:
     n_heldout: int = HOP_SIZES["n_heldout"]
     archs: tuple[str, ...] | None = None
     progress: bool = False
+    batch_size: int = HOP_EVAL_BATCH
 
 
 __all__ = ["ARCHS", "ARITHMETIC_DATA_SEED", "ARITHMETIC_MAX_NEW_TOKENS", "ARITHMETIC_SEEDS", "ARITHMETIC_SIZES",
-           "ARITHMETIC_TRAINING", "DEMO_HELDOUT", "DEMO_MAX_NEW_TOKENS", "DEMO_TASKS", "DEMO_TRAINING", "HOP_HELDOUT_DATA_SEED",
+           "ARITHMETIC_TRAINING", "DEMO_HELDOUT", "DEMO_MAX_NEW_TOKENS", "DEMO_TASKS", "DEMO_TRAINING", "HOP_EVAL_BATCH", "HOP_HELDOUT_DATA_SEED",
            "HOP_MODEL", "HOP_SEEDS", "HOP_SIZES", "HOP_SPEC", "HOP_TRAINING", "HOP_TRAIN_DATA_SEED", "RUNS",
            "ArithmeticOptions", "HopOptions", "RunJob", "arch_label", "arithmetic_settings", "hop_settings"]

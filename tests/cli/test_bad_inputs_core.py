@@ -281,9 +281,9 @@ def _cases(w):
         "analyze_out_dot": (["analyze", tah2, "--text", "hello there world", "--out", ".", "--no-progress",
                              "--metrics", "residual", "--grouping", "none"], r / "empty_here", 0, None, None),
         # --- demo: an explicit 0 is refused, never replaced by a default; before any training ---------------------
-        "demo_max_iterations_0": (demo("d1", "--max-iterations", "0"), r, 2,
+        "demo_max_iterations_0": (demo("d1", "--task", "gsm8k", "--max-iterations", "0"), r, 2,
                                   r"--max-iterations must be an integer >= 2 for the TaH2 run, got 0", "d1"),
-        "demo_max_new_tokens_0": (demo("d2", "--max-new-tokens", "0"), r, 2,
+        "demo_max_new_tokens_0": (demo("d2", "--task", "gsm8k", "--max-new-tokens", "0"), r, 2,
                                   r"--max-new-tokens must be an integer >= 1, got 0", "d2"),
         "demo_batch_size_0": (demo("d3", "--batch-size", "0"), r, 2, r"--batch-size must be an integer >= 1, got 0",
                               "d3"),
