@@ -198,7 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analyze_arguments(a)
     a.set_defaults(func=cmd_analyze)
+
+    from .reproduce.cli import add_arguments as add_reproduce_arguments
+
+    r = sub.add_parser("reproduce", help="a paper's headline claim trained and tested at CPU scale over seeds: "
+                                         "summary.json, report.md, pictures (spiralformer)")
+    add_reproduce_arguments(r)
+    r.set_defaults(func=cmd_reproduce)
     return p
+
+
+def cmd_reproduce(args) -> int:
+    from .reproduce.cli import main as reproduce_main
+
+    return reproduce_main(args)
 
 
 def cmd_analyze(args) -> int:

@@ -497,3 +497,11 @@ def test_serve_and_curl_commands_run_as_documented(tmp_path, base, capsys):
             new = model.generate(**ids, max_new_tokens=body["max_tokens"], do_sample=False)[0, ids["input_ids"].shape[1]:]
             assert answer["choices"][0]["message"]["content"] == tok.decode(new, skip_special_tokens=True)
             assert answer["usage"]["completion_tokens"] == len(new)
+
+
+@pytest.mark.slow
+def test_reproduce_command_runs_as_documented(tmp_path, capsys):
+    for entry in entries_run_by("test_reproduce_command_runs_as_documented"):
+        out = run_hf_loops(expand(entry["command"], {}), tmp_path, capsys)
+        check_creates(entry, tmp_path)
+        assert "the paper's claims, tested:" in out

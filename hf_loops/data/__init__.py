@@ -7,6 +7,8 @@
   pretrained from scratch on 1-hop lookup problems by `experiments/depth_bound/hop_pretrain.py` (its README.md: the
   command, steps, tokens, curve). Load it with `AutoModelForCausalLM.from_pretrained(hop_base_dir())`.
 - `gsm8k/gsm8k_test_100.jsonl`: 100 GSM8K test problems (MIT).
+- `corpus/shakespeare_1m.txt`: the first 1,000,000 characters (38,674 lines) of the complete works of Shakespeare
+  (public domain), the text `hf-loops reproduce` trains on.
 
 No network is needed for either.
 """
@@ -33,6 +35,11 @@ def hop_base_dir() -> str:
     return os.path.join(DATA_DIR, "hop_base")
 
 
+def corpus_path() -> str:
+    """Path of the shipped Shakespeare slice (`hf-loops reproduce`'s training and held-out text)."""
+    return os.path.join(DATA_DIR, "corpus", "shakespeare_1m.txt")
+
+
 def gsm8k_path() -> str:
     """Path of the vendored 100 GSM8K test problems (`{"id_orig", "question", "answer"}` per line)."""
     return os.path.join(DATA_DIR, "gsm8k", "gsm8k_test_100.jsonl")
@@ -49,6 +56,7 @@ def load_gsm8k(rows: range | None = None) -> list[dict]:
 __all__ = [
     "DATA_DIR",
     "EVAL_ROWS",
+    "corpus_path",
     "GSM8K_PRETRAIN_ANSWER_ROWS",
     "default_base_dir",
     "gsm8k_path",

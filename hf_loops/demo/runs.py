@@ -121,10 +121,12 @@ def run_job(job: RunJob) -> dict:
     return r
 
 
-def run_jobs(jobs: list[RunJob], workers: int | None = None) -> list[dict]:
-    """`run_job` over `jobs` (results in the order given), longest first, on `workers` processes (1: in this
-    process). Runs are independent (each has its own seed, output folder and threads), so the order and the
-    worker a run lands on do not change its numbers; only its wall time, which the report says."""
+def run_jobs(jobs: list, workers: int | None = None, fn=None) -> list[dict]:
+    """`fn` (default `run_job`) over `jobs` (results in the order given), longest first, on `workers` processes (1:
+    in this process). Runs are independent (each has its own seed, output folder and threads), so the order and the
+    worker a run lands on do not change its numbers; only its wall time, which the report says. A job needs `arch`
+    and `settings["max_steps"]` (its cost); `fn` must be importable by name (it travels to spawned workers)."""
+    fn = run_job if fn is None else fn
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
@@ -132,7 +134,7 @@ def run_jobs(jobs: list[RunJob], workers: int | None = None) -> list[dict]:
     results: list[dict | None] = [None] * len(jobs)
     if workers == 1 or len(jobs) == 1:
         for i in order:
-            results[i] = run_job(jobs[i])
+            results[i] = fn(jobs[i])
         return results
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -140,7 +142,7 @@ def run_jobs(jobs: list[RunJob], workers: int | None = None) -> list[dict]:
     # spawn, not fork: a forked child inherits torch's thread pools in whatever state the parent left them
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {i: pool.submit(run_job, jobs[i]) for i in order}
+        futures = {i: pool.submit(fn, jobs[i]) for i in order}
         for i, f in futures.items():
             results[i] = f.result()
     return results

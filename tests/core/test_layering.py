@@ -23,6 +23,7 @@ FLOORS = {
     "inference": 4,
     "serving": 5,
     "demo": 6,
+    "reproduce": 6,  # the papers' claims; runs its jobs on the demo's worker pool
     "cli": 7,
 }
 

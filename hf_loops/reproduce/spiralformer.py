@@ -1,0 +1,381 @@
+"""`hf-loops reproduce spiralformer`: does multi-resolution recursion beat a same-size LoopedFormer at fewer FLOPs?
+
+The paper's claims (SpiralFormer, Table 1 and Fig. 4): SpiralFormer-B (the shared core looped at chunk sizes
+{8, 4, 2, 1}, coarse → fine) reaches a lower perplexity than LoopedFormer (the same split looped twice at full
+resolution, {1, 1}) at 0.90–0.93× its prefill FLOPs; and its loops go from global to local attention (local attention
+mass rises, key-marginal entropy falls from the first loop to the last).
+
+What runs: Standard (the same 4 physical layers, one pass), LoopedFormer {1, 1} and SpiralFormer-B {8, 4, 2, 1}, each
+pre 1 + core 2 + post 1 layers of width 128, from the same seeds on the same token blocks of the shipped Shakespeare
+slice (`hf_loops.data.corpus_path()`, public domain; tokenised with the embedded base's 8k BPE tokenizer), the same
+optimizer, schedule and steps. The text is split by characters: the first 90 % trains, the next 5 % is the validation
+split (the recipe and the learning-rate choice were made there), the last 5 % the held-out test split. Every run
+reports its test loss, its validation curve, its prefill FLOPs (`hf_loops.core.flops_spiralformer`) ÷ LoopedFormer's,
+and, for the looped runs, the per-loop probes of `hf_loops.analysis.analyze` (the paper's definitions; the 40 % most
+dynamic heads) on held-out text.
+
+Writes OUT/summary.json (`{"claims": ..., "archs": {ARCH: {"seeds": {SEED: FIELDS}}}}`), OUT/report.md, OUT/runs.json,
+OUT/loss_curves.png, OUT/coarse_to_fine.png and OUT/ARCH-seed0/ (the first seed's checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+
+ARCHS = ("standard", "looped", "spiral-b")
+LABELS = {"standard": "Standard (4 layers, 1 pass)", "looped": "LoopedFormer {1,1}",
+          "spiral-b": "SpiralFormer-B {8,4,2,1}"}
+CHUNKS = {"looped": [1, 1], "spiral-b": [8, 4, 2, 1]}
+SEEDS = (0, 1, 2)
+# Model and training settings of the full run; `QUICK` shrinks them for the tests (`--quick`).
+MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 32, "num_pre_layers": 1, "num_loop_layers": 2, "num_post_layers": 1}
+TRAINING = {"seq_len": 512, "batch_size": 4, "steps": 200, "lr": 3e-3, "warmup_steps": 10, "min_lr_rate": 0.1,
+            "beta2": 0.95, "weight_decay": 0.01, "grad_clip": 1.0, "eval_every": 50, "probe_texts": 8}
+QUICK_MODEL = {**MODEL, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 16}
+QUICK = {**TRAINING, "seq_len": 64, "batch_size": 2, "steps": 3, "eval_every": 3, "probe_texts": 2,
+         "max_chars": 60_000}
+SPLITS = (0.90, 0.95)  # train < 90 % of the characters ≤ validation < 95 % ≤ test
+
+
+@dataclass(frozen=True)
+class SpiralJob:
+    """One (arch, seed) run; plain fields, so it travels to a spawned worker."""
+
+    arch: str
+    seed: int
+    model: dict
+    training: dict
+    out: str  # the run's folder (its checkpoint and analysis)
+    keep: bool = False
+    threads: int = 1
+    settings: dict = field(default_factory=dict)  # unused by the run: `run_jobs` sorts by max_steps
+
+
+def corpus_splits(tokenizer, max_chars: int | None = None) -> dict[str, list[int]]:
+    """Token ids of the train / validation / test character ranges of the shipped text."""
+    from ..data import corpus_path
+
+    with open(corpus_path(), encoding="utf-8") as f:
+        text = f.read()
+    if max_chars:
+        text = text[:max_chars]
+    a, b = (int(len(text) * s) for s in SPLITS)
+    return {name: tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"]
+            for name, part in (("train", text[:a]), ("validation", text[a:b]), ("test", text[b:]))}
+
+
+def blocks(ids: list[int], seq_len: int):
+    import torch
+
+    n = len(ids) // seq_len
+    if n < 1:
+        raise ValueError(f"{len(ids)} tokens make no block of {seq_len}")
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def build_spiral_model(arch: str, vocab_size: int, model: dict, seq_len: int, pad_token_id: int):
+    """Standard = a Qwen3 with the split's layers once; the looped two = a SpiralFormer with their chunk sizes."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ..modeling.configuration_spiralformer import SpiralFormerConfig
+    from ..modeling.modeling_spiralformer import SpiralFormerForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    split = {k: model[k] for k in ("num_pre_layers", "num_loop_layers", "num_post_layers")}
+    common = {k: v for k, v in model.items() if k not in split}
+    common.update(vocab_size=vocab_size, max_position_embeddings=seq_len, tie_word_embeddings=True,
+                  pad_token_id=pad_token_id)
+    if arch == "standard":
+        return Qwen3ForCausalLM(Qwen3Config(**common, num_hidden_layers=sum(split.values())))
+    return SpiralFormerForCausalLM(SpiralFormerConfig(**common, **split, chunk_sizes=CHUNKS[arch]))
+
+
+def prefill_flops(config, seq_len: int) -> float:
+    """Prefill FLOPs for `seq_len` tokens: SpiralFormer's accounting for the looped models, every layer once plus the
+    LM head for Standard (the same per-layer formula)."""
+    from ..core.flops_spiralformer import SpiralShape, forward_flops, layer_flops
+
+    shape = SpiralShape.from_config(config)
+    if config.model_type == "qwen3":
+        return config.num_hidden_layers * layer_flops(seq_len, shape) + 2 * config.hidden_size * config.vocab_size * seq_len
+    return forward_flops(shape, seq_len)
+
+
+def _lr_lambda(t: dict):
+    def f(step: int) -> float:
+        if step < t["warmup_steps"]:
+            return (step + 1) / t["warmup_steps"]
+        progress = (step - t["warmup_steps"]) / max(1, t["steps"] - t["warmup_steps"])
+        return t["min_lr_rate"] + (1 - t["min_lr_rate"]) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+def mean_loss(model, data, batch_size: int) -> float:
+    """Mean next-token cross-entropy (nats/token) over every block of `data`."""
+    import torch
+
+    total, n = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(data), batch_size):
+            x = data[i:i + batch_size]
+            logits = model(input_ids=x).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                                     reduction="sum")
+            total, n = total + loss.item(), n + x[:, 1:].numel()
+    model.train()
+    return total / n
+
+
+def run_one(job: SpiralJob) -> dict:
+    """Train one arch from `job.seed`, evaluate it, probe its loops; returns its FIELDS and curve."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..data import default_base_dir
+
+    torch.set_num_threads(job.threads)
+    t0 = time.perf_counter()
+    t = job.training
+    tok = AutoTokenizer.from_pretrained(default_base_dir())
+    ids = corpus_splits(tok, t.get("max_chars"))
+    train, val, test = (blocks(ids[k], t["seq_len"]) for k in ("train", "validation", "test"))
+    torch.manual_seed(job.seed)
+    model = build_spiral_model(job.arch, len(tok), job.model, t["seq_len"], tok.pad_token_id)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, t["beta2"]), weight_decay=t["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(t))
+    order = torch.Generator().manual_seed(job.seed)  # the same block order for every arch of a seed
+    queue: list[int] = []
+    curve = []
+    model.train()
+    for step in range(1, t["steps"] + 1):
+        if len(queue) < t["batch_size"]:
+            queue += torch.randperm(len(train), generator=order).tolist()
+        batch, queue = train[queue[:t["batch_size"]]], queue[t["batch_size"]:]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % t["eval_every"] == 0 or step == t["steps"]:
+            curve.append({"step": step, "train_loss": loss.item(), "validation_loss": mean_loss(model, val, 8)})
+    train_s = time.perf_counter() - t0
+    fields = {"test_loss": mean_loss(model, test, 8), "validation_loss": curve[-1]["validation_loss"],
+              "prefill_flops": prefill_flops(model.config, t["seq_len"]), "parameters": params,
+              "train_seconds": train_s, "tokens": t["steps"] * t["batch_size"] * t["seq_len"]}
+    if job.arch != "standard":
+        fields["probes"] = _probes(model, tok, test, t, os.path.join(job.out, "analysis"))
+    if job.keep:
+        model.save_pretrained(job.out)
+        tok.save_pretrained(job.out)
+    print(f"[reproduce] spiralformer seed {job.seed}: {job.arch} done ({time.perf_counter() - t0:.0f} s, test loss "
+          f"{fields['test_loss']:.3f})", flush=True)
+    return {"fields": fields, "curve": curve}
+
+
+def _probes(model, tokenizer, test, t: dict, out: str) -> dict:
+    """Key-marginal entropy and local attention mass per loop (dynamic heads), from `analysis.analyze`."""
+    from ..analysis.analyze import analyze
+
+    texts = [tokenizer.decode(row) for row in test[: t["probe_texts"]]]
+    res = analyze(model, tokenizer, texts, out, metrics=("attention",), progress=False, name="run",
+                  max_length=t["seq_len"], groupings=("none",))
+    c2f = res.get("coarse_to_fine") or res.get("loop_attention_scope")
+    if c2f is None:
+        raise RuntimeError("the analysis gave no per-loop attention probes")
+    return {"key_marginal_entropy": c2f["key_marginal_entropy"]["dynamic_heads"],
+            "local_attention_mass": c2f["local_attention_mass"]["dynamic_heads"],
+            "resolutions": c2f["resolutions"]}
+
+
+def _spread(values):
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _pm(values, spec=".3f"):
+    m, s = _spread(values)
+    return f"{m:{spec}} ± {s:{spec}}"
+
+
+def spiral_aggregate(runs: dict) -> dict:
+    """FIELDS per arch and seed with the FLOPs ratio to LoopedFormer of the same seed."""
+    archs = {}
+    for (arch, seed), r in runs.items():
+        f = dict(r["fields"])
+        f["prefill_flops_ratio"] = f["prefill_flops"] / runs["looped", seed]["fields"]["prefill_flops"]
+        archs.setdefault(arch, {"seeds": {}})["seeds"][str(seed)] = f
+    return archs
+
+
+def spiral_claims(archs: dict) -> list[tuple[str, bool, str]]:
+    """The paper's claims on the measured numbers: (name, held, the numbers)."""
+    sp, lo = archs["spiral-b"]["seeds"], archs["looped"]["seeds"]
+    seeds = sorted(sp, key=int)
+    wins = sum(sp[s]["test_loss"] <= lo[s]["test_loss"] for s in seeds)
+    ratio = statistics.fmean(sp[s]["prefill_flops_ratio"] for s in seeds)
+    d = statistics.fmean(sp[s]["test_loss"] - lo[s]["test_loss"] for s in seeds)
+    out = [("SpiralFormer-B's held-out loss ≤ LoopedFormer's in every seed at ≤ 0.95× its prefill FLOPs",
+            wins == len(seeds) and ratio <= 0.95,
+            f"lower or equal in {wins} of {len(seeds)} seeds, mean difference {d:+.4f} nats/token; prefill FLOPs "
+            f"{ratio:.3f}× LoopedFormer")]
+    lam = [sp[s]["probes"]["local_attention_mass"] for s in seeds]
+    hkm = [sp[s]["probes"]["key_marginal_entropy"] for s in seeds]
+    lam_up = sum(v[-1] > v[0] for v in lam)
+    hkm_down = sum(v[-1] < v[0] for v in hkm)
+    out.append(("coarse → fine: local attention mass rises from the first loop to the last (every seed)",
+                lam_up == len(seeds),
+                f"rises in {lam_up} of {len(seeds)} seeds; first → last loop "
+                f"{_pm([v[0] for v in lam])} → {_pm([v[-1] for v in lam])}"))
+    out.append(("coarse → fine: key-marginal entropy falls from the first loop to the last (every seed)",
+                hkm_down == len(seeds),
+                f"falls in {hkm_down} of {len(seeds)} seeds; first → last loop "
+                f"{_pm([v[0] for v in hkm])} → {_pm([v[-1] for v in hkm])}"))
+    return out
+
+
+def table(archs: dict) -> tuple[list[str], list[list[str]]]:
+    headers = ["run", "parameters", "held-out loss (nats/token)", "per seed", "validation loss",
+               "prefill FLOPs ÷ LoopedFormer", "training time (s)"]
+    rows = []
+    for arch in ARCHS:
+        fs = [archs[arch]["seeds"][s] for s in sorted(archs[arch]["seeds"], key=int)]
+        rows.append([LABELS[arch], f"{fs[0]['parameters']:,}", _pm([f["test_loss"] for f in fs], ".4f"),
+                     " / ".join(f"{f['test_loss']:.4f}" for f in fs), _pm([f["validation_loss"] for f in fs], ".4f"),
+                     f"{statistics.fmean(f['prefill_flops_ratio'] for f in fs):.3f}×",
+                     _pm([f["train_seconds"] for f in fs], ".0f")])
+    return headers, rows
+
+
+def probe_table(archs: dict) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for arch in ("looped", "spiral-b"):
+        fs = [archs[arch]["seeds"][s]["probes"] for s in sorted(archs[arch]["seeds"], key=int)]
+        for t, r in enumerate(fs[0]["resolutions"]):
+            rows.append([LABELS[arch], f"{t + 1} (r = {r:g})", _pm([f["local_attention_mass"][t] for f in fs]),
+                         _pm([f["key_marginal_entropy"][t] for f in fs])])
+    return ["run", "loop", "local attention mass", "key-marginal entropy (normalised)"], rows
+
+
+def _plots(archs: dict, runs: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"standard": "#8fa3bf", "looped": "#4c956c", "spiral-b": "#c44e12"}
+    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=110)
+    for (arch, seed), r in sorted(runs.items()):
+        c = r["curve"]
+        ax.plot([p["step"] for p in c], [p["validation_loss"] for p in c], color=colors[arch], alpha=0.8,
+                label=LABELS[arch] if seed == min(s for a, s in runs if a == arch) else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss, every seed", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss_curves.png"))
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=110)
+    for ax, key, title in ((axes[0], "local_attention_mass", "local attention mass"),
+                           (axes[1], "key_marginal_entropy", "key-marginal entropy (normalised)")):
+        for arch in ("looped", "spiral-b"):
+            for seed, f in archs[arch]["seeds"].items():
+                v = f["probes"][key]
+                ax.plot(range(1, len(v) + 1), v, marker="o", color=colors[arch], alpha=0.8,
+                        label=LABELS[arch] if seed == min(archs[arch]["seeds"], key=int) else None)
+        ax.set_xlabel("loop (coarse → fine for SpiralFormer)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "coarse_to_fine.png"))
+    plt.close(fig)
+
+
+def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool = False,
+                     workers: int | None = None, steps: int | None = None, lr: float | None = None) -> dict:
+    """Every arch × seed, then summary.json, report.md, runs.json, pictures and the first seed's checkpoints."""
+    from ..core.numbers import check_int
+    from ..demo.runs import run_jobs
+    from ..evaluation.report import markdown_table, output_dir
+
+    seeds = tuple(seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: need distinct seeds, got {seeds}")
+    training = dict(QUICK if quick else TRAINING)
+    if steps is not None:
+        check_int("--steps", steps, 1)
+        training["steps"] = steps
+    if lr is not None:
+        from ..core.numbers import check_float
+
+        check_float("--lr", lr, 0, 1, low_open=True)
+        training["lr"] = lr
+    model = QUICK_MODEL if quick else MODEL
+    t_start = time.perf_counter()
+    with output_dir(out, overwrite, "--out") as tmp:
+        jobs = [SpiralJob(arch, seed, model, training, os.path.join(tmp, f"{arch}-seed{seed}"), keep=seed == seeds[0],
+                          settings={"max_steps": training["steps"], "max_length": training["seq_len"]})
+                for seed in seeds for arch in ARCHS]
+        results = run_jobs(jobs, workers, fn=run_one)
+        for j in jobs:
+            if not j.keep and os.path.isdir(j.out):
+                shutil.rmtree(j.out)
+        runs = {(j.arch, j.seed): r for j, r in zip(jobs, results, strict=True)}
+        archs = spiral_aggregate(runs)
+        verdicts = spiral_claims(archs)
+        summary = {"claims": [{"claim": n, "held": ok, "numbers": t} for n, ok, t in verdicts], "archs": archs}
+        with open(os.path.join(tmp, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+        with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
+            json.dump({"model": model, "training": training, "seeds": list(seeds),
+                       "runs": [{"arch": a, "seed": s, **r} for (a, s), r in runs.items()]}, f, indent=1)
+        _plots(archs, runs, tmp)
+        seconds = time.perf_counter() - t_start
+        report = "\n".join([
+            "# hf-loops reproduce spiralformer" + (" (--quick: a smoke run, not a result)" if quick else ""),
+            "",
+            f"{len(seeds)} seeds × {len(ARCHS)} runs, {training['steps']} steps of {training['batch_size']} × "
+            f"{training['seq_len']} tokens each, the same blocks in the same order per seed; held-out loss on the "
+            f"test split (the last 5 % of the shipped Shakespeare slice). {seconds:.0f} s wall.",
+            "",
+            markdown_table(*table(archs)),
+            "",
+            "## The paper's claims, tested",
+            "",
+            *(f"- **{'held' if ok else 'did not hold'}:** {n} ({t})" for n, ok, t in verdicts),
+            "",
+            "## Attention scope per loop (dynamic heads, held-out text)",
+            "",
+            markdown_table(*probe_table(archs)),
+            "",
+            "![validation loss](loss_curves.png)",
+            "",
+            "![coarse to fine](coarse_to_fine.png)",
+            "",
+            "## Settings",
+            "",
+            "```json",
+            json.dumps({"model": model, "training": training}, indent=1),
+            "```",
+        ]) + "\n"
+        with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
+            f.write(report)
+    return {"summary": summary, "table": table(archs), "probe_table": probe_table(archs), "claims": verdicts,
+            "seconds": time.perf_counter() - t_start, "out": os.path.abspath(out)}
+
+
+__all__ = ["ARCHS", "MODEL", "QUICK", "TRAINING", "build_spiral_model", "spiral_aggregate", "spiral_claims", "corpus_splits",
+           "prefill_flops", "run_one", "run_spiralformer"]
