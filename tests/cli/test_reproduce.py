@@ -53,6 +53,7 @@ def test_outputs_and_the_first_seed_checkpoints(quick):
     assert "--quick: a smoke run, not a result" in report
 
 
+@pytest.mark.slow
 def test_one_run_is_deterministic_and_the_flops_are_the_formulas(tmp_path):
     job = S.SpiralJob("spiral-b", 3, S.QUICK_MODEL, S.QUICK, str(tmp_path / "a"))
     a, b = S.run_one(job), S.run_one(S.SpiralJob("spiral-b", 3, S.QUICK_MODEL, S.QUICK, str(tmp_path / "b")))
