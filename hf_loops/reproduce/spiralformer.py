@@ -21,12 +21,13 @@ OUT/loss_curves.png, OUT/coarse_to_fine.png and OUT/ARCH-seed0/ (the first seed'
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
+
+from .common import blocks, corpus_splits, mean_loss, pm, train_lm
 
 ARCHS = ("standard", "looped", "spiral-b")
 LABELS = {"standard": "Standard (4 layers, 1 pass)", "looped": "LoopedFormer {1,1}",
@@ -42,7 +43,6 @@ QUICK_MODEL = {**MODEL, "hidden_size": 32, "intermediate_size": 64, "num_attenti
                "num_key_value_heads": 1, "head_dim": 16}
 QUICK = {**TRAINING, "seq_len": 64, "batch_size": 2, "steps": 3, "eval_every": 3, "probe_texts": 2,
          "max_chars": 60_000}
-SPLITS = (0.90, 0.95)  # train < 90 % of the characters ≤ validation < 95 % ≤ test
 
 
 @dataclass(frozen=True)
@@ -57,28 +57,6 @@ class SpiralJob:
     keep: bool = False
     threads: int = 1
     settings: dict = field(default_factory=dict)  # unused by the run: `run_jobs` sorts by max_steps
-
-
-def corpus_splits(tokenizer, max_chars: int | None = None) -> dict[str, list[int]]:
-    """Token ids of the train / validation / test character ranges of the shipped text."""
-    from ..data import corpus_path
-
-    with open(corpus_path(), encoding="utf-8") as f:
-        text = f.read()
-    if max_chars:
-        text = text[:max_chars]
-    a, b = (int(len(text) * s) for s in SPLITS)
-    return {name: tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"]
-            for name, part in (("train", text[:a]), ("validation", text[a:b]), ("test", text[b:]))}
-
-
-def blocks(ids: list[int], seq_len: int):
-    import torch
-
-    n = len(ids) // seq_len
-    if n < 1:
-        raise ValueError(f"{len(ids)} tokens make no block of {seq_len}")
-    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
 
 
 def build_spiral_model(arch: str, vocab_size: int, model: dict, seq_len: int, pad_token_id: int):
@@ -110,32 +88,6 @@ def prefill_flops(config, seq_len: int) -> float:
     return forward_flops(shape, seq_len)
 
 
-def _lr_lambda(t: dict):
-    def f(step: int) -> float:
-        if step < t["warmup_steps"]:
-            return (step + 1) / t["warmup_steps"]
-        progress = (step - t["warmup_steps"]) / max(1, t["steps"] - t["warmup_steps"])
-        return t["min_lr_rate"] + (1 - t["min_lr_rate"]) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return f
-
-
-def mean_loss(model, data, batch_size: int) -> float:
-    """Mean next-token cross-entropy (nats/token) over every block of `data`."""
-    import torch
-
-    total, n = 0.0, 0
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, len(data), batch_size):
-            x = data[i:i + batch_size]
-            logits = model(input_ids=x).logits[:, :-1].float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                     reduction="sum")
-            total, n = total + loss.item(), n + x[:, 1:].numel()
-    model.train()
-    return total / n
-
-
 def run_one(job: SpiralJob) -> dict:
     """Train one arch from `job.seed`, evaluate it, probe its loops; returns its FIELDS and curve."""
     import torch
@@ -152,24 +104,7 @@ def run_one(job: SpiralJob) -> dict:
     torch.manual_seed(job.seed)
     model = build_spiral_model(job.arch, len(tok), job.model, t["seq_len"], tok.pad_token_id)
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, t["beta2"]), weight_decay=t["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(t))
-    order = torch.Generator().manual_seed(job.seed)  # the same block order for every arch of a seed
-    queue: list[int] = []
-    curve = []
-    model.train()
-    for step in range(1, t["steps"] + 1):
-        if len(queue) < t["batch_size"]:
-            queue += torch.randperm(len(train), generator=order).tolist()
-        batch, queue = train[queue[:t["batch_size"]]], queue[t["batch_size"]:]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % t["eval_every"] == 0 or step == t["steps"]:
-            curve.append({"step": step, "train_loss": loss.item(), "validation_loss": mean_loss(model, val, 8)})
+    curve = train_lm(model, train, val, t, job.seed)
     train_s = time.perf_counter() - t0
     fields = {"test_loss": mean_loss(model, test, 8), "validation_loss": curve[-1]["validation_loss"],
               "prefill_flops": prefill_flops(model.config, t["seq_len"]), "parameters": params,
@@ -197,15 +132,6 @@ def _probes(model, tokenizer, test, t: dict, out: str) -> dict:
     return {"key_marginal_entropy": c2f["key_marginal_entropy"]["dynamic_heads"],
             "local_attention_mass": c2f["local_attention_mass"]["dynamic_heads"],
             "resolutions": c2f["resolutions"]}
-
-
-def _spread(values):
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def _pm(values, spec=".3f"):
-    m, s = _spread(values)
-    return f"{m:{spec}} ± {s:{spec}}"
 
 
 def spiral_aggregate(runs: dict) -> dict:
@@ -236,11 +162,11 @@ def spiral_claims(archs: dict) -> list[tuple[str, bool, str]]:
     out.append(("coarse → fine: local attention mass rises from the first loop to the last (every seed)",
                 lam_up == len(seeds),
                 f"rises in {lam_up} of {len(seeds)} seeds; first → last loop "
-                f"{_pm([v[0] for v in lam])} → {_pm([v[-1] for v in lam])}"))
+                f"{pm([v[0] for v in lam])} → {pm([v[-1] for v in lam])}"))
     out.append(("coarse → fine: key-marginal entropy falls from the first loop to the last (every seed)",
                 hkm_down == len(seeds),
                 f"falls in {hkm_down} of {len(seeds)} seeds; first → last loop "
-                f"{_pm([v[0] for v in hkm])} → {_pm([v[-1] for v in hkm])}"))
+                f"{pm([v[0] for v in hkm])} → {pm([v[-1] for v in hkm])}"))
     return out
 
 
@@ -250,10 +176,10 @@ def table(archs: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for arch in ARCHS:
         fs = [archs[arch]["seeds"][s] for s in sorted(archs[arch]["seeds"], key=int)]
-        rows.append([LABELS[arch], f"{fs[0]['parameters']:,}", _pm([f["test_loss"] for f in fs], ".4f"),
-                     " / ".join(f"{f['test_loss']:.4f}" for f in fs), _pm([f["validation_loss"] for f in fs], ".4f"),
+        rows.append([LABELS[arch], f"{fs[0]['parameters']:,}", pm([f["test_loss"] for f in fs], ".4f"),
+                     " / ".join(f"{f['test_loss']:.4f}" for f in fs), pm([f["validation_loss"] for f in fs], ".4f"),
                      f"{statistics.fmean(f['prefill_flops_ratio'] for f in fs):.3f}×",
-                     _pm([f["train_seconds"] for f in fs], ".0f")])
+                     pm([f["train_seconds"] for f in fs], ".0f")])
     return headers, rows
 
 
@@ -262,8 +188,8 @@ def probe_table(archs: dict) -> tuple[list[str], list[list[str]]]:
     for arch in ("looped", "spiral-b"):
         fs = [archs[arch]["seeds"][s]["probes"] for s in sorted(archs[arch]["seeds"], key=int)]
         for t, r in enumerate(fs[0]["resolutions"]):
-            rows.append([LABELS[arch], f"{t + 1} (r = {r:g})", _pm([f["local_attention_mass"][t] for f in fs]),
-                         _pm([f["key_marginal_entropy"][t] for f in fs])])
+            rows.append([LABELS[arch], f"{t + 1} (r = {r:g})", pm([f["local_attention_mass"][t] for f in fs]),
+                         pm([f["key_marginal_entropy"][t] for f in fs])])
     return ["run", "loop", "local attention mass", "key-marginal entropy (normalised)"], rows
 
 
@@ -377,5 +303,5 @@ def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool
             "seconds": time.perf_counter() - t_start, "out": os.path.abspath(out)}
 
 
-__all__ = ["ARCHS", "MODEL", "QUICK", "TRAINING", "build_spiral_model", "spiral_aggregate", "spiral_claims", "corpus_splits",
-           "prefill_flops", "run_one", "run_spiralformer"]
+__all__ = ["ARCHS", "MODEL", "QUICK", "TRAINING", "build_spiral_model", "prefill_flops", "run_one", "run_spiralformer",
+           "spiral_aggregate", "spiral_claims"]
