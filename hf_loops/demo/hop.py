@@ -36,6 +36,7 @@ from .settings import (
     RunJob,
     hop_settings,
 )
+from .stats import pm, spread
 
 TASK = "hop"
 COLORS = {"standard": "#8fa3bf", "tah2": "#c44e12", "tah2-fixed": "#4c956c"}
@@ -46,19 +47,6 @@ def _seeds(task: dict, arch: str) -> list[dict]:
     """The per-seed FIELDS of `arch` in seed order."""
     seeds = task["archs"].get(arch, {}).get("seeds", {})
     return [seeds[k] for k in sorted(seeds, key=int)]
-
-
-def _spread(values: list[float]) -> tuple[float, float]:
-    """(mean, sample standard deviation; 0 for one value)."""
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def _pm(values, spec=".3f", scale=1.0) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    m, s = _spread([v * scale for v in values])
-    return f"{m:{spec}} ± {s:{spec}}"
 
 
 def _level_values(fields: list[dict], level: str, key: str) -> list[float]:
@@ -75,13 +63,13 @@ def summary_table(task: dict) -> tuple[list[str], list[list[str]]]:
         fs = _seeds(task, arch)
         if not fs:
             continue
-        rows.append([label, _pm([f["exact_match"] for f in fs], ".1f", 100.0) + " %",
+        rows.append([label, pm([f["exact_match"] for f in fs], ".1f", 100.0) + " %",
                      " / ".join(f"{100 * f['exact_match']:.1f}" for f in fs),
-                     _pm([f["answer_nll"] for f in fs], ".4f"),
-                     _pm([f["mean_depth"] or 1.0 for f in fs]),
-                     _pm([f["generated_depth"] or 1.0 for f in fs]),
-                     _pm([f["decode_flops_ratio"] for f in fs], ".2f") + "×",
-                     _pm([f["train_time_ratio"] for f in fs], ".2f") + "×"])
+                     pm([f["answer_nll"] for f in fs], ".4f"),
+                     pm([f["mean_depth"] or 1.0 for f in fs]),
+                     pm([f["generated_depth"] or 1.0 for f in fs]),
+                     pm([f["decode_flops_ratio"] for f in fs], ".2f") + "×",
+                     pm([f["train_time_ratio"] for f in fs], ".2f") + "×"])
     return headers, rows
 
 
@@ -94,9 +82,9 @@ def difficulty_table(task: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for level in levels:
         row = [level, str(any_fields[0]["by_difficulty"][level]["tokens"])]
-        row += [_pm(_level_values(_seeds(task, a), level, "accuracy"), ".1f", 100.0) + " %"
+        row += [pm(_level_values(_seeds(task, a), level, "accuracy"), ".1f", 100.0) + " %"
                 for a, _ in ARCHS if _seeds(task, a)]
-        row.append(_pm(_level_values(_seeds(task, "tah2"), level, "deep_share"), ".1f", 100.0) + " %")
+        row.append(pm(_level_values(_seeds(task, "tah2"), level, "deep_share"), ".1f", 100.0) + " %")
         rows.append(row)
     return headers, rows
 
@@ -110,7 +98,7 @@ def claims(task: dict) -> list[tuple[str, bool | None, str]]:
         em_s, em_t = [f["exact_match"] for f in std], [f["exact_match"] for f in tah]
         wins = sum(t > s for t, s in zip(em_t, em_s, strict=True))
         gain = statistics.fmean(em_t) - statistics.fmean(em_s)
-        sd = max(_spread(em_t)[1], _spread(em_s)[1])
+        sd = max(spread(em_t)[1], spread(em_s)[1])
         out.append(("TaH2 above Standard in every seed, mean gain ≥ 2 × the larger std",
                     wins == len(em_t) and gain >= 2 * sd,
                     f"ahead in {wins} of {len(em_t)} seeds; gain {100 * gain:+.1f} points, larger std "

@@ -9,16 +9,16 @@ from ..data import arithmetic as A
 from .settings import ARCHS
 
 
-def _spread(values: list[float]) -> tuple[float, float]:
+def spread(values: list[float]) -> tuple[float, float]:
     """(mean, sample standard deviation; 0 for one value)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def _pm(values, spec=".3f", scale=1.0) -> str:
+def pm(values, spec=".3f", scale=1.0) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "–"
-    m, s = _spread([v * scale for v in values])
+    m, s = spread([v * scale for v in values])
     return f"{m:{spec}} ± {s:{spec}}"
 
 
@@ -63,10 +63,10 @@ def seed_table(agg: dict) -> tuple[list[str], list[list[str]]]:
         rs = agg.get(arch)
         if not rs:
             continue
-        rows.append([label, _pm([r["exact_match"] for r in rs], ".1f", 100.0) + " %",
-                     _pm([r["answer_nll"] for r in rs]), _pm([r["mean_depth"] for r in rs]),
-                     _pm([r["mean_depth_generated"] for r in rs]), _pm([r["flops_ratio"] for r in rs], ".2f") + "×",
-                     _pm([r["train_ratio"] for r in rs], ".2f") + "×"])
+        rows.append([label, pm([r["exact_match"] for r in rs], ".1f", 100.0) + " %",
+                     pm([r["answer_nll"] for r in rs]), pm([r["mean_depth"] for r in rs]),
+                     pm([r["mean_depth_generated"] for r in rs]), pm([r["flops_ratio"] for r in rs], ".2f") + "×",
+                     pm([r["train_ratio"] for r in rs], ".2f") + "×"])
     return headers, rows
 
 
@@ -78,7 +78,7 @@ def class_table(agg: dict, arch: str = "tah2") -> tuple[list[str], list[list[str
         shares = [r["deep_share"][c]["deep_share"] for r in rs]
         n = rs[0]["deep_share"][c]["tokens"] if rs else 0
         if n:
-            rows.append([c, str(n), _pm(shares, ".1f", 100.0) + " %"])
+            rows.append([c, str(n), pm(shares, ".1f", 100.0) + " %"])
     return ["token class", "tokens per run", "deep (2 passes)"], rows
 
 
@@ -90,14 +90,14 @@ def verdict(agg: dict) -> list[str]:
 
     em = {a: [r["exact_match"] for r in agg[a]] for a in agg}
     wins = sum(t > s for t, s in zip(em["tah2"], em["standard"], strict=True))
-    lines = [f"- **Exact match, TaH2 vs Standard:** {_pm(em['tah2'], '.1f', 100.0)} % vs "
-             f"{_pm(em['standard'], '.1f', 100.0)} % (mean ± std over {len(em['tah2'])} seeds); TaH2 ahead in "
+    lines = [f"- **Exact match, TaH2 vs Standard:** {pm(em['tah2'], '.1f', 100.0)} % vs "
+             f"{pm(em['standard'], '.1f', 100.0)} % (mean ± std over {len(em['tah2'])} seeds); TaH2 ahead in "
              f"{wins} of {len(em['tah2'])} seeds, at {mean('tah2', 'flops_ratio'):.2f}× Standard's decode FLOPs."]
     d_nll = mean("tah2", "answer_nll") - mean("standard", "answer_nll")
     lines.append(f"- **Answer NLL:** TaH2 {'lower' if d_nll < 0 else 'higher'} than Standard by {abs(d_nll):.3f} "
                  f"nats/token on average.")
     if "tah2-fixed" in agg:
-        lines.append(f"- **TaH2-fixed** (every token at depth 2): exact match {_pm(em['tah2-fixed'], '.1f', 100.0)} %, "
+        lines.append(f"- **TaH2-fixed** (every token at depth 2): exact match {pm(em['tah2-fixed'], '.1f', 100.0)} %, "
                      f"answer NLL {mean('tah2-fixed', 'answer_nll'):.3f}, at "
                      f"{mean('tah2-fixed', 'flops_ratio'):.2f}× decode FLOPs.")
     ahead = wins == len(em["tah2"]) and statistics.fmean(em["tah2"]) > statistics.fmean(em["standard"])
@@ -107,4 +107,4 @@ def verdict(agg: dict) -> list[str]:
     return lines
 
 
-__all__ = ["aggregate", "class_table", "cpu_summary", "seed_table", "verdict"]
+__all__ = ["aggregate", "class_table", "cpu_summary", "pm", "seed_table", "spread", "verdict"]

@@ -4,8 +4,10 @@ report, pictures and a `summary.json` per claim.
 - `spiralformer` (`hf_loops.reproduce.spiralformer`): SpiralFormer-B vs LoopedFormer vs Standard at equal parameters
   and tokens on the shipped Shakespeare slice: held-out loss, prefill FLOPs ÷ LoopedFormer, and the coarse-to-fine
   probes per loop (local attention mass, key-marginal entropy).
+- `sgt` (`hf_loops.reproduce.sgt`): vanilla vs Block Loop vs SGT (head loops grown by Algorithm 1, then frozen) on the
+  same text: held-out loss, training FLOPs ÷ vanilla, where growth put the loops.
 """
 
-NAMES = ("spiralformer",)
+NAMES = ("spiralformer", "sgt")
 
 __all__ = ["NAMES"]

@@ -11,7 +11,7 @@ from . import NAMES
 
 
 def add_arguments(p) -> None:
-    p.add_argument("name", choices=NAMES, help="the paper: spiralformer")
+    p.add_argument("name", choices=NAMES, help="the paper: spiralformer or sgt")
     p.add_argument("--seeds", type=int, default=3, help="seeds per arch (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--out", default=None, help="output directory (default: reproduce_out/NAME)")
@@ -26,6 +26,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    from .sgt import run_sgt
     from .spiralformer import run_spiralformer
 
     set_threads(1)
@@ -34,17 +35,16 @@ def main(args) -> int:
     if args.workers is not None:
         check_int("--workers", args.workers, 1)
     out = args.out or f"reproduce_out/{args.name}"
-    res = run_spiralformer(out, seeds=range(args.seed, args.seed + args.seeds), quick=args.quick,
-                           overwrite=args.overwrite, workers=args.workers, steps=args.steps,
-                           lr=args.lr)
-    print(console_table(*res["table"]))
-    print()
-    print(console_table(*res["probe_table"]))
-    print("\nthe paper's claims, tested:")
+    run = {"spiralformer": run_spiralformer, "sgt": run_sgt}[args.name]
+    res = run(out, seeds=range(args.seed, args.seed + args.seeds), quick=args.quick, overwrite=args.overwrite,
+              workers=args.workers, steps=args.steps, lr=args.lr)
+    for t in res["tables"]:
+        print(console_table(*t))
+        print()
+    print("the paper's claims, tested:")
     for name, ok, text in res["claims"]:
         print(f"  {'held' if ok else 'did not hold'}: {name} ({text})")
-    print(f"\nwrote {res['out']} (summary.json, report.md, runs.json, loss_curves.png, coarse_to_fine.png) in "
-          f"{res['seconds']:.0f} s")
+    print(f"\nwrote {res['out']} ({res['files']}) in {res['seconds']:.0f} s")
     return 0
 
 

@@ -5,7 +5,9 @@ held-out loss, and mean ± std."""
 from __future__ import annotations
 
 import math
-import statistics
+import os
+
+from ..demo.stats import pm, spread  # the reproductions' mean ± std: the demo's
 
 SPLITS = (0.90, 0.95)  # train < 90 % of the characters ≤ validation < 95 % ≤ test
 
@@ -87,15 +89,75 @@ def train_lm(model, train, val, t: dict, seed: int, on_step=None) -> list[dict]:
     return curve
 
 
-def spread(values) -> tuple[float, float]:
-    """(mean, sample standard deviation; 0 for one value)."""
-    values = list(values)
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def check_run_settings(seeds, training: dict, steps: int | None, lr: float | None) -> tuple[tuple[int, ...], dict]:
+    """The seeds (distinct, at least one) and the training settings with `--steps` / `--lr` applied, each checked."""
+    from ..core.numbers import check_float, check_int
+
+    seeds = tuple(seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: need distinct seeds, got {seeds}")
+    training = dict(training)
+    if steps is not None:
+        check_int("--steps", steps, 1)
+        training["steps"] = steps
+    if lr is not None:
+        check_float("--lr", lr, 0, 1, low_open=True)
+        training["lr"] = lr
+    return seeds, training
 
 
-def pm(values, spec=".3f") -> str:
-    m, s = spread(values)
-    return f"{m:{spec}} ± {s:{spec}}"
+def plot_validation_curves(runs: dict, labels: dict, colors: dict, path: str) -> None:
+    """Validation loss against step, one line per (arch, seed) of `runs` (`{(arch, seed): {"curve": ...}}`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = {a: min(s for b, s in runs if b == a) for a, _ in runs}
+    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=110)
+    for (arch, seed), r in sorted(runs.items()):
+        c = r["curve"]
+        ax.plot([p["step"] for p in c], [p["validation_loss"] for p in c], color=colors[arch], alpha=0.8,
+                label=labels[arch] if seed == first[arch] else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss, every seed", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
-__all__ = ["SPLITS", "blocks", "corpus_splits", "mean_loss", "pm", "spread", "train_lm"]
+def run_reproduction(out: str, overwrite: bool, make_jobs, fn, workers: int | None, write) -> dict:
+    """The common frame of a reproduction: `make_jobs(tmp)` → jobs (each with `arch`, `seed`, `out`, `keep`),
+    `run_jobs(jobs, workers, fn=fn)`, the folders of the runs not kept removed, then `write(tmp, runs)` (`runs`:
+    `{(arch, seed): result}`) writes summary.json, report.md and the pictures into `tmp` and returns what the
+    command prints. Written atomically into `out`."""
+    import shutil
+
+    from ..demo.runs import run_jobs
+    from ..evaluation.report import output_dir
+
+    with output_dir(out, overwrite, "--out") as tmp:
+        jobs = make_jobs(tmp)
+        results = run_jobs(jobs, workers, fn=fn)
+        for j in jobs:
+            if not j.keep and os.path.isdir(j.out):
+                shutil.rmtree(j.out)
+        res = write(tmp, {(j.arch, j.seed): r for j, r in zip(jobs, results, strict=True)})
+    return {**res, "out": os.path.abspath(out)}
+
+
+def write_summary(tmp: str, summary: dict, runs: dict, model: dict, training: dict, seeds) -> None:
+    """summary.json and runs.json (every run's fields and curve, the settings)."""
+    import json
+
+    with open(os.path.join(tmp, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
+        json.dump({"model": model, "training": training, "seeds": list(seeds),
+                   "runs": [{"arch": a, "seed": s, **r} for (a, s), r in runs.items()]}, f, indent=1)
+
+
+__all__ = ["SPLITS", "blocks", "check_run_settings", "plot_validation_curves", "run_reproduction", "write_summary", "corpus_splits", "mean_loss", "pm", "spread", "train_lm"]

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
 
-from .common import blocks, corpus_splits, mean_loss, pm, train_lm
+from .common import blocks, corpus_splits, mean_loss, plot_validation_curves, pm, train_lm
 
 ARCHS = ("standard", "looped", "spiral-b")
 LABELS = {"standard": "Standard (4 layers, 1 pass)", "looped": "LoopedFormer {1,1}",
@@ -88,7 +87,7 @@ def prefill_flops(config, seq_len: int) -> float:
     return forward_flops(shape, seq_len)
 
 
-def run_one(job: SpiralJob) -> dict:
+def run_spiral_one(job: SpiralJob) -> dict:
     """Train one arch from `job.seed`, evaluate it, probe its loops; returns its FIELDS and curve."""
     import torch
     from transformers import AutoTokenizer
@@ -200,19 +199,7 @@ def _plots(archs: dict, runs: dict, out: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"standard": "#8fa3bf", "looped": "#4c956c", "spiral-b": "#c44e12"}
-    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=110)
-    for (arch, seed), r in sorted(runs.items()):
-        c = r["curve"]
-        ax.plot([p["step"] for p in c], [p["validation_loss"] for p in c], color=colors[arch], alpha=0.8,
-                label=LABELS[arch] if seed == min(s for a, s in runs if a == arch) else None)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("validation loss, every seed", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "loss_curves.png"))
-    plt.close(fig)
+    plot_validation_curves(runs, LABELS, colors, os.path.join(out, "loss_curves.png"))
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=110)
     for ax, key, title in ((axes[0], "local_attention_mass", "local attention mass"),
                            (axes[1], "key_marginal_entropy", "key-marginal entropy (normalised)")):
@@ -233,41 +220,23 @@ def _plots(archs: dict, runs: dict, out: str) -> None:
 def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool = False,
                      workers: int | None = None, steps: int | None = None, lr: float | None = None) -> dict:
     """Every arch × seed, then summary.json, report.md, runs.json, pictures and the first seed's checkpoints."""
-    from ..core.numbers import check_int
-    from ..demo.runs import run_jobs
-    from ..evaluation.report import markdown_table, output_dir
+    from ..evaluation.report import markdown_table
+    from .common import check_run_settings, run_reproduction, write_summary
 
-    seeds = tuple(seeds)
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: need distinct seeds, got {seeds}")
-    training = dict(QUICK if quick else TRAINING)
-    if steps is not None:
-        check_int("--steps", steps, 1)
-        training["steps"] = steps
-    if lr is not None:
-        from ..core.numbers import check_float
-
-        check_float("--lr", lr, 0, 1, low_open=True)
-        training["lr"] = lr
+    seeds, training = check_run_settings(seeds, QUICK if quick else TRAINING, steps, lr)
     model = QUICK_MODEL if quick else MODEL
     t_start = time.perf_counter()
-    with output_dir(out, overwrite, "--out") as tmp:
-        jobs = [SpiralJob(arch, seed, model, training, os.path.join(tmp, f"{arch}-seed{seed}"), keep=seed == seeds[0],
-                          settings={"max_steps": training["steps"], "max_length": training["seq_len"]})
+
+    def make_jobs(tmp):
+        return [SpiralJob(arch, seed, model, training, os.path.join(tmp, f"{arch}-seed{seed}"), keep=seed == seeds[0],
+                        settings={"max_steps": training["steps"], "max_length": training["seq_len"]})
                 for seed in seeds for arch in ARCHS]
-        results = run_jobs(jobs, workers, fn=run_one)
-        for j in jobs:
-            if not j.keep and os.path.isdir(j.out):
-                shutil.rmtree(j.out)
-        runs = {(j.arch, j.seed): r for j, r in zip(jobs, results, strict=True)}
+
+    def write(tmp, runs):
         archs = spiral_aggregate(runs)
         verdicts = spiral_claims(archs)
         summary = {"claims": [{"claim": n, "held": ok, "numbers": t} for n, ok, t in verdicts], "archs": archs}
-        with open(os.path.join(tmp, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-        with open(os.path.join(tmp, "runs.json"), "w", encoding="utf-8") as f:
-            json.dump({"model": model, "training": training, "seeds": list(seeds),
-                       "runs": [{"arch": a, "seed": s, **r} for (a, s), r in runs.items()]}, f, indent=1)
+        write_summary(tmp, summary, runs, model, training, seeds)
         _plots(archs, runs, tmp)
         seconds = time.perf_counter() - t_start
         report = "\n".join([
@@ -299,9 +268,12 @@ def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool
         ]) + "\n"
         with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
             f.write(report)
-    return {"summary": summary, "table": table(archs), "probe_table": probe_table(archs), "claims": verdicts,
-            "seconds": time.perf_counter() - t_start, "out": os.path.abspath(out)}
+        return {"summary": summary, "tables": [table(archs), probe_table(archs)], "claims": verdicts,
+                "files": "summary.json, report.md, runs.json, loss_curves.png, coarse_to_fine.png"}
+
+    res = run_reproduction(out, overwrite, make_jobs, run_spiral_one, workers, write)
+    return {**res, "seconds": time.perf_counter() - t_start}
 
 
-__all__ = ["ARCHS", "MODEL", "QUICK", "TRAINING", "build_spiral_model", "prefill_flops", "run_one", "run_spiralformer",
+__all__ = ["ARCHS", "MODEL", "QUICK", "TRAINING", "build_spiral_model", "prefill_flops", "run_spiral_one", "run_spiralformer",
            "spiral_aggregate", "spiral_claims"]

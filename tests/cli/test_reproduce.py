@@ -56,7 +56,7 @@ def test_outputs_and_the_first_seed_checkpoints(quick):
 @pytest.mark.slow
 def test_one_run_is_deterministic_and_the_flops_are_the_formulas(tmp_path):
     job = S.SpiralJob("spiral-b", 3, S.QUICK_MODEL, S.QUICK, str(tmp_path / "a"))
-    a, b = S.run_one(job), S.run_one(S.SpiralJob("spiral-b", 3, S.QUICK_MODEL, S.QUICK, str(tmp_path / "b")))
+    a, b = S.run_spiral_one(job), S.run_spiral_one(S.SpiralJob("spiral-b", 3, S.QUICK_MODEL, S.QUICK, str(tmp_path / "b")))
     assert a["fields"]["test_loss"] == b["fields"]["test_loss"] and a["curve"] == b["curve"]
     from hf_loops.core.flops_spiralformer import SpiralShape, layer_flops
 
@@ -103,5 +103,77 @@ def test_the_docs_give_the_committed_full_run():
         for line in markdown_table(*t).splitlines():
             assert line in doc
     assert [c["held"] for c in summary["claims"]] == [ok for _, ok, _ in S.spiral_claims(summary["archs"])]
+    for c in summary["claims"]:
+        assert f"**{'held' if c['held'] else 'did not hold'}:** {c['claim']} ({c['numbers']})" in doc
+
+
+# --------------------------------------------------------------------------------------------------------- sgt
+@pytest.fixture(scope="module")
+def quick_sgt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reproduce_sgt")
+    out = root / "out"
+    assert main(["reproduce", "sgt", "--quick", "--seeds", "2", "--out", str(out), "--workers", "2"]) == 0
+    return {"root": root, "out": out, "summary": json.loads((out / "summary.json").read_text())}
+
+
+@pytest.mark.slow
+def test_sgt_summary_flops_and_the_grown_plan(quick_sgt):
+    from transformers import AutoModelForCausalLM
+
+    from hf_loops.core.flops_sgt import plan_overhead
+    from hf_loops.reproduce import sgt as G
+
+    s, out = quick_sgt["summary"], quick_sgt["out"]
+    assert sorted(s["archs"]) == sorted(G.ARCHS) and len(s["claims"]) == 1
+    for seed in ("0", "1"):
+        v, b, g = (s["archs"][a]["seeds"][seed] for a in G.ARCHS)
+        assert v["training_flops_ratio"] == 1.0 and v["parameters"] == b["parameters"] == g["parameters"]
+        block = G.build_sgt_model("block", 8192, G.QUICK_MODEL, 64, 0)
+        assert b["training_flops_ratio"] == pytest.approx(1 + plan_overhead(block.config, 64))
+        # growth ran and froze: a plan outside the excluded layer 0, kept heads per layer, a small overhead
+        assert g["loop_plan"] and all(e["layer"] != 0 and len(e["heads"]) == 2 for e in g["loop_plan"])
+        assert [e["event"] for e in g["growth_events"]][-1] == "fix"
+        assert 1.0 < g["training_flops_ratio"] < b["training_flops_ratio"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "sgt-seed0")
+    assert reloaded.config.loop_plan == s["archs"]["sgt"]["seeds"]["0"]["loop_plan"]
+    assert {"loss_curves.png", "loop_plan.png", "report.md", "vanilla-seed0", "block-seed0"} <= set(os.listdir(out))
+    report = (out / "report.md").read_text()
+    for row in G.sgt_table(s["archs"])[1] + G.plan_rows(s["archs"])[1]:
+        assert "| " + " | ".join(row) + " |" in report
+
+
+def test_the_sgt_claim_by_hand():
+    from hf_loops.reproduce import sgt as G
+
+    def f(loss, ratio):
+        return {"test_loss": loss, "training_flops_ratio": ratio}
+
+    archs = {"vanilla": {"seeds": {"0": f(3.0, 1.0)}}, "block": {"seeds": {"0": f(2.5, 1.125)}},
+             "sgt": {"seeds": {"0": f(2.75, 1.0234375)}}}
+    (name, ok, text), = G.sgt_claims(archs)
+    assert ok and "(50 % of Block Loop's)" in text and "SGT 2.3 %, Block Loop 12.5 %" in text
+    archs["sgt"]["seeds"]["0"] = f(2.75, 1.0625)  # the gain, but 6 % extra FLOPs
+    assert G.sgt_claims(archs)[0][1] is False
+    archs["block"]["seeds"]["0"] = f(3.25, 1.125)  # Block Loop gains nothing: nothing to get half of
+    assert G.sgt_claims(archs)[0][1] is False and "Block Loop gains nothing" in G.sgt_claims(archs)[0][2]
+    with pytest.raises(ValueError, match="arch must be one of"):
+        G.build_sgt_model("loop", 100, G.QUICK_MODEL, 64, 0)
+
+
+def test_the_docs_give_the_committed_sgt_run():
+    """docs/reproduce.md's SGT tables and claim line are the committed summary of the full run."""
+    from helpers.common import REPO
+
+    from hf_loops.evaluation.report import markdown_table
+    from hf_loops.reproduce import sgt as G
+
+    with open(os.path.join(REPO, "docs", "reproduce_sgt_summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    with open(os.path.join(REPO, "docs", "reproduce.md"), encoding="utf-8") as f:
+        doc = f.read()
+    for t in (G.sgt_table(summary["archs"]), G.plan_rows(summary["archs"])):
+        for line in markdown_table(*t).splitlines():
+            assert line in doc
+    assert [c["held"] for c in summary["claims"]] == [ok for _, ok, _ in G.sgt_claims(summary["archs"])]
     for c in summary["claims"]:
         assert f"**{'held' if c['held'] else 'did not hold'}:** {c['claim']} ({c['numbers']})" in doc
