@@ -1,4 +1,4 @@
-"""`hf-loops` command line: demo / eval / train / convert / generate."""
+"""`hf-loops` command line: demo / eval / train / convert / generate / analyze / reproduce / serve / pretrain."""
 
 from __future__ import annotations
 
@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .conversion.registry import ARCHITECTURES
     from .demo.cli import add_demo_arguments
 
-    d = sub.add_parser("demo", help="the main job: post-train the embedded base as Standard and TaH2, evaluate both, "
-                                    "write demo_out/ (--random: the old random-weights walk-through)")
+    d = sub.add_parser("demo", help="the main job: post-train the embedded 1-hop base as Standard, TaH2 and "
+                                    "TaH2-fixed on the depth-bound hop task over 3 seeds, write demo_out/ "
+                                    "(--task both: the arithmetic and GSM8K demos; --random: the walk-through)")
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
 
