@@ -60,6 +60,21 @@ def mean_loss(model, data, batch_size: int) -> float:
     return total / n
 
 
+def load_data(t: dict, threads: int = 1):
+    """(tokenizer, train, validation, test blocks) of a run's settings `t`: the embedded base's tokenizer on the
+    shipped text (its first `t["max_chars"]` characters where given), cut into `t["seq_len"]`-token blocks; torch set to
+    `threads` threads."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..data import default_base_dir
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(default_base_dir())
+    ids = corpus_splits(tok, t.get("max_chars"))
+    return (tok, *(blocks(ids[k], t["seq_len"]) for k in ("train", "validation", "test")))
+
+
 def train_lm(model, train, val, t: dict, seed: int, on_step=None) -> list[dict]:
     """Train `model` on `train` blocks for `t["steps"]` AdamW steps; the validation loss every `t["eval_every"]` steps
     (and at the end) is the returned curve. The block order depends on `seed` only, so every arch of a seed sees the
@@ -160,4 +175,4 @@ def write_summary(tmp: str, summary: dict, runs: dict, model: dict, training: di
                    "runs": [{"arch": a, "seed": s, **r} for (a, s), r in runs.items()]}, f, indent=1)
 
 
-__all__ = ["SPLITS", "blocks", "check_run_settings", "plot_validation_curves", "run_reproduction", "write_summary", "corpus_splits", "mean_loss", "pm", "spread", "train_lm"]
+__all__ = ["SPLITS", "blocks", "check_run_settings", "load_data", "plot_validation_curves", "run_reproduction", "write_summary", "corpus_splits", "mean_loss", "pm", "spread", "train_lm"]

@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .common import blocks, corpus_splits, mean_loss, plot_validation_curves, pm, train_lm
+from .common import load_data, mean_loss, plot_validation_curves, pm, train_lm
 
 ARCHS = ("vanilla", "block", "sgt")
 LABELS = {"vanilla": "vanilla (6 layers)", "block": "Block Loop (layer 4 twice)", "sgt": "SGT (grown head loops)"}
@@ -72,18 +72,13 @@ def build_sgt_model(arch: str, vocab_size: int, model: dict, seq_len: int, pad_t
 def run_sgt_one(job: SGTJob) -> dict:
     """Train one arch from `job.seed` (SGT: growing), evaluate it; returns its FIELDS and curve."""
     import torch
-    from transformers import AutoTokenizer
 
     from ..core.flops_sgt import plan_overhead, training_overhead
-    from ..data import default_base_dir
     from ..training.sgt_growth import SGTGrowthCallback
 
-    torch.set_num_threads(job.threads)
     t0 = time.perf_counter()
     t = job.training
-    tok = AutoTokenizer.from_pretrained(default_base_dir())
-    ids = corpus_splits(tok, t.get("max_chars"))
-    train, val, test = (blocks(ids[k], t["seq_len"]) for k in ("train", "validation", "test"))
+    tok, train, val, test = load_data(t, job.threads)
     torch.manual_seed(job.seed)
     model = build_sgt_model(job.arch, len(tok), job.model, t["seq_len"], tok.pad_token_id)
     overheads, events, on_step = [], [], None

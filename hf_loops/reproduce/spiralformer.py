@@ -26,7 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .common import blocks, corpus_splits, mean_loss, plot_validation_curves, pm, train_lm
+from .common import load_data, mean_loss, plot_validation_curves, pm, train_lm
 
 ARCHS = ("standard", "looped", "spiral-b")
 LABELS = {"standard": "Standard (4 layers, 1 pass)", "looped": "LoopedFormer {1,1}",
@@ -90,16 +90,10 @@ def prefill_flops(config, seq_len: int) -> float:
 def run_spiral_one(job: SpiralJob) -> dict:
     """Train one arch from `job.seed`, evaluate it, probe its loops; returns its FIELDS and curve."""
     import torch
-    from transformers import AutoTokenizer
 
-    from ..data import default_base_dir
-
-    torch.set_num_threads(job.threads)
     t0 = time.perf_counter()
     t = job.training
-    tok = AutoTokenizer.from_pretrained(default_base_dir())
-    ids = corpus_splits(tok, t.get("max_chars"))
-    train, val, test = (blocks(ids[k], t["seq_len"]) for k in ("train", "validation", "test"))
+    tok, train, val, test = load_data(t, job.threads)
     torch.manual_seed(job.seed)
     model = build_spiral_model(job.arch, len(tok), job.model, t["seq_len"], tok.pad_token_id)
     params = sum(p.numel() for p in model.parameters())
