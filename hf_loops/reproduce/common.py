@@ -175,4 +175,34 @@ def write_summary(tmp: str, summary: dict, runs: dict, model: dict, training: di
                    "runs": [{"arch": a, "seed": s, **r} for (a, s), r in runs.items()]}, f, indent=1)
 
 
-__all__ = ["SPLITS", "blocks", "check_run_settings", "load_data", "plot_validation_curves", "run_reproduction", "write_summary", "corpus_splits", "mean_loss", "pm", "spread", "train_lm"]
+def write_report(tmp: str, name: str, quick: bool, seeds, n_archs: int, training: dict, model: dict,
+                 seconds: float, first_table: str, verdicts, sections: list[str]) -> None:
+    """report.md of a reproduction: the title, what ran, `first_table`, the claims with their verdicts, the
+    `sections` (markdown lines: more tables, the pictures) and the settings."""
+    import json
+
+    lines = [
+        f"# hf-loops reproduce {name}" + (" (--quick: a smoke run, not a result)" if quick else ""),
+        "",
+        f"{len(seeds)} seeds × {n_archs} runs, {training['steps']} steps of {training['batch_size']} × "
+        f"{training['seq_len']} tokens each, the same blocks in the same order per seed; held-out loss on the "
+        f"test split (the last 5 % of the shipped Shakespeare slice). {seconds:.0f} s wall.",
+        "",
+        first_table,
+        "",
+        "## The paper's claims, tested",
+        "",
+        *(f"- **{'held' if ok else 'did not hold'}:** {n} ({t})" for n, ok, t in verdicts),
+        "",
+        *sections,
+        "## Settings",
+        "",
+        "```json",
+        json.dumps({"model": model, "training": training}, indent=1),
+        "```",
+    ]
+    with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+__all__ = ["SPLITS", "blocks", "check_run_settings", "load_data", "write_report", "plot_validation_curves", "run_reproduction", "write_summary", "corpus_splits", "mean_loss", "pm", "spread", "train_lm"]

@@ -16,7 +16,6 @@ Writes OUT/summary.json, OUT/report.md, OUT/runs.json, OUT/loss_curves.png, OUT/
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -192,7 +191,7 @@ def run_sgt(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool = False,
             steps: int | None = None, lr: float | None = None) -> dict:
     """Every arch × seed, then summary.json, report.md, runs.json, pictures and the first seed's checkpoints."""
     from ..evaluation.report import markdown_table
-    from .common import check_run_settings, run_reproduction, write_summary
+    from .common import check_run_settings, run_reproduction, write_report, write_summary
 
     seeds, training = check_run_settings(seeds, QUICK if quick else TRAINING, steps, lr)
     model = QUICK_MODEL if quick else MODEL
@@ -210,19 +209,8 @@ def run_sgt(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool = False,
         write_summary(tmp, summary, runs, model, training, seeds)
         _plots(archs, runs, model, tmp)
         seconds = time.perf_counter() - t_start
-        report = "\n".join([
-            "# hf-loops reproduce sgt" + (" (--quick: a smoke run, not a result)" if quick else ""),
-            "",
-            f"{len(seeds)} seeds × {len(ARCHS)} runs, {training['steps']} steps of {training['batch_size']} × "
-            f"{training['seq_len']} tokens each, the same blocks in the same order per seed; held-out loss on the "
-            f"test split (the last 5 % of the shipped Shakespeare slice). {seconds:.0f} s wall.",
-            "",
-            markdown_table(*sgt_table(archs)),
-            "",
-            "## The paper's claim, tested",
-            "",
-            *(f"- **{'held' if ok else 'did not hold'}:** {n} ({t})" for n, ok, t in verdicts),
-            "",
+        write_report(tmp, "sgt", quick, seeds, len(ARCHS), training, model, seconds, markdown_table(*sgt_table(archs)),
+                     verdicts, [
             "## Where growth put the loops",
             "",
             markdown_table(*plan_rows(archs)),
@@ -231,14 +219,7 @@ def run_sgt(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool = False,
             "",
             "![loop plan](loop_plan.png)",
             "",
-            "## Settings",
-            "",
-            "```json",
-            json.dumps({"model": model, "training": training}, indent=1),
-            "```",
-        ]) + "\n"
-        with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
-            f.write(report)
+        ])
         return {"summary": summary, "tables": [sgt_table(archs), plan_rows(archs)], "claims": verdicts,
                 "files": "summary.json, report.md, runs.json, loss_curves.png, loop_plan.png"}
 

@@ -20,7 +20,6 @@ OUT/loss_curves.png, OUT/coarse_to_fine.png and OUT/ARCH-seed0/ (the first seed'
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -215,7 +214,7 @@ def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool
                      workers: int | None = None, steps: int | None = None, lr: float | None = None) -> dict:
     """Every arch × seed, then summary.json, report.md, runs.json, pictures and the first seed's checkpoints."""
     from ..evaluation.report import markdown_table
-    from .common import check_run_settings, run_reproduction, write_summary
+    from .common import check_run_settings, run_reproduction, write_report, write_summary
 
     seeds, training = check_run_settings(seeds, QUICK if quick else TRAINING, steps, lr)
     model = QUICK_MODEL if quick else MODEL
@@ -233,19 +232,8 @@ def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool
         write_summary(tmp, summary, runs, model, training, seeds)
         _plots(archs, runs, tmp)
         seconds = time.perf_counter() - t_start
-        report = "\n".join([
-            "# hf-loops reproduce spiralformer" + (" (--quick: a smoke run, not a result)" if quick else ""),
-            "",
-            f"{len(seeds)} seeds × {len(ARCHS)} runs, {training['steps']} steps of {training['batch_size']} × "
-            f"{training['seq_len']} tokens each, the same blocks in the same order per seed; held-out loss on the "
-            f"test split (the last 5 % of the shipped Shakespeare slice). {seconds:.0f} s wall.",
-            "",
-            markdown_table(*table(archs)),
-            "",
-            "## The paper's claims, tested",
-            "",
-            *(f"- **{'held' if ok else 'did not hold'}:** {n} ({t})" for n, ok, t in verdicts),
-            "",
+        write_report(tmp, "spiralformer", quick, seeds, len(ARCHS), training, model, seconds, markdown_table(*table(archs)),
+                     verdicts, [
             "## Attention scope per loop (dynamic heads, held-out text)",
             "",
             markdown_table(*probe_table(archs)),
@@ -254,14 +242,7 @@ def run_spiralformer(out: str, seeds=SEEDS, quick: bool = False, overwrite: bool
             "",
             "![coarse to fine](coarse_to_fine.png)",
             "",
-            "## Settings",
-            "",
-            "```json",
-            json.dumps({"model": model, "training": training}, indent=1),
-            "```",
-        ]) + "\n"
-        with open(os.path.join(tmp, "report.md"), "w", encoding="utf-8") as f:
-            f.write(report)
+        ])
         return {"summary": summary, "tables": [table(archs), probe_table(archs)], "claims": verdicts,
                 "files": "summary.json, report.md, runs.json, loss_curves.png, coarse_to_fine.png"}
 
