@@ -650,7 +650,7 @@ def _fixed_points(model, encoded, t_fp, device, progress, result, findings, save
         score = rm.degenerate_fixed_point_score_trace(trace)
         if not math.isnan(score):
             degenerate.append(score)
-            separation.append(_fixed_point_separation(trace))
+            separation.append(rm.fixed_point_separation_trace(trace))
         cls = rm.classify_limiting_behaviour_trace(trace)
         for k, v in cls["counts"].items():
             counts[k] += v
@@ -706,19 +706,6 @@ def _fixed_point_verdict(t_fp: int, fractions: dict, score: float, sep: float) -
                  f"max_l ‖X*_1 − X*_l‖/‖X*_1‖ = {sep:.3f} on average → {verdict}; cyclic fixed points: {cyclic}. "
                  f"[thresholds: fixed-point fraction ≥ 50%, degenerate if score > 0.95]"),
     }
-
-
-def _fixed_point_separation(trace) -> float:
-    """max over loop layers ℓ > 1 of the mean relative distance ‖X*_1 − X*_ℓ‖ / ‖X*_1‖ between per-layer fixed points."""
-    stars, valid = [], None
-    for ell in trace.loop_layers:
-        X, v = trace.loop_residuals(ell)
-        stars.append(X[-1])
-        valid = v if valid is None else valid & v
-    w = valid.float()
-    rel = [((x - stars[0]).norm(dim=-1) / stars[0].norm(dim=-1).clamp_min(1e-12) * w).sum() / w.sum().clamp_min(1)
-           for x in stars[1:]]
-    return float(torch.stack(rel).max()) if rel else float("nan")
 
 
 def _tah2_depth(model, tokenizer, encoded, device, progress, result, findings, save, plots, out, n_maps, figures):

@@ -216,6 +216,22 @@ def degenerate_fixed_point_score_trace(trace) -> float:
     return degenerate_fixed_point_score(torch.stack(stars), valid)
 
 
+def fixed_point_separation_trace(trace) -> float:
+    """max over loop layers ℓ > 1 of the mean relative distance ‖X*_1 − X*_ℓ‖ / ‖X*_1‖ between per-layer fixed points
+    (X*_ℓ = the last recurrence); NaN with one loop layer."""
+    stars, valid = [], None
+    for ell in trace.loop_layers:
+        X, v = trace.loop_residuals(ell)
+        stars.append(X[-1].float())
+        valid = v if valid is None else valid & v
+    if len(stars) < 2:
+        return float("nan")
+    w = valid.float()
+    rel = [((x - stars[0]).norm(dim=-1) / stars[0].norm(dim=-1).clamp_min(EPS) * w).sum() / w.sum().clamp_min(1)
+           for x in stars[1:]]
+    return float(torch.stack(rel).max())
+
+
 def classify_limiting_behaviour_trace(trace, tau: float = 0.05, rho: float = 0.9) -> dict:
     X, v = trace.loop_residuals(trace.loop_layers[-1])
     return classify_limiting_behaviour(X, v, tau, rho)
@@ -227,5 +243,5 @@ def residual_norm_trace(trace) -> list[dict]:
 
 __all__ = ["classify_limiting_behaviour", "classify_limiting_behaviour_trace", "classify_trajectory",
            "degenerate_fixed_point_score", "degenerate_fixed_point_score_trace", "fixed_point_distance",
-           "fixed_point_distance_trace", "matrix_entropy", "residual_norm", "residual_norm_trace",
+           "fixed_point_distance_trace", "fixed_point_separation_trace", "matrix_entropy", "residual_norm", "residual_norm_trace",
            "residual_similarity_matrix", "successive_difference", "successive_difference_trace"]

@@ -28,8 +28,10 @@ from ..evaluation.tasks import DEPTH_SUMMARY_FIELDS, HopTaskRun
 from .runs import run_jobs
 from .settings import (
     ARCHS,
+    HOP_EVAL_BATCH,
     HOP_HELDOUT_DATA_SEED,
     HOP_MODEL,
+    HOP_SIZES,
     HOP_SPEC,
     HOP_TRAIN_DATA_SEED,
     HopOptions,
@@ -185,6 +187,29 @@ def plot_deep_share(task: dict, path: str, arch: str = "tah2") -> None:
     plt.close(fig)
 
 
+def hop_jobs(root: str, base: str, settings: dict, archs, seeds, n_heldout: int = HOP_SIZES["n_heldout"],
+             batch_size: int = HOP_EVAL_BATCH, keep_all: bool = False) -> tuple[list[RunJob], HopTaskRun]:
+    """Write the post-training problems into `root`/data; one `RunJob` per seed × arch (seed-major) and the held-out
+    problems they are scored on. The first seed's checkpoints go to `root`/ARCH-seedS and are kept; the others to
+    `root`/runs/ARCH-seedS, removed after scoring unless `keep_all` (then every seed's is kept at `root`/ARCH-seedS)."""
+    # every run reads max_steps × batch problems (one epoch), the same ones in a seed-dependent order
+    n_train = settings["max_steps"] * settings["per_device_train_batch_size"]
+    train_file = hop_task.write_sft(os.path.join(root, "data", "train.jsonl"),
+                                    hop_task.make_split("train", n_train, HOP_TRAIN_DATA_SEED, HOP_SPEC))
+    heldout = HopTaskRun(HOP_SPEC, n_heldout, HOP_HELDOUT_DATA_SEED, "test")
+    os.makedirs(os.path.join(root, "runs"), exist_ok=True)
+    jobs = []
+    for seed in seeds:
+        keep = keep_all or seed == seeds[0]
+        for arch in archs:
+            ckpt = os.path.join(root, f"{arch}-seed{seed}") if keep else os.path.join(root, "runs", f"{arch}-seed{seed}")
+            jobs.append(RunJob(task=TASK, base=base, arch=arch, seed=seed, settings=settings, train_file=train_file,
+                               heldout=heldout.describe(), batch_size=min(n_heldout, batch_size), ckpt=ckpt,
+                               max_new_tokens=heldout.max_new_tokens(), keep=keep, name=_LABEL[arch],
+                               model=None if arch == "standard" else dict(HOP_MODEL), task_run=heldout))
+    return jobs, heldout
+
+
 def hop_part(tmp: str, base: str, options: HopOptions | None = None):
     """Write the post-training problems into `tmp`/hop/data and return (jobs, finish): `run_jobs(jobs)` trains and
     evaluates every arch × seed, `finish(results)` writes summary.json, report.md, runs.json and the pictures."""
@@ -197,19 +222,7 @@ def hop_part(tmp: str, base: str, options: HopOptions | None = None):
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds: need distinct seeds, got {seeds}")
     root = os.path.join(tmp, TASK)
-    # every run reads max_steps × batch problems (one epoch), the same ones in a seed-dependent order
-    n_train = settings["max_steps"] * settings["per_device_train_batch_size"]
-    train_file = hop_task.write_sft(os.path.join(root, "data", "train.jsonl"),
-                                    hop_task.make_split("train", n_train, HOP_TRAIN_DATA_SEED, HOP_SPEC))
-    heldout = HopTaskRun(HOP_SPEC, options.n_heldout, HOP_HELDOUT_DATA_SEED, "test")
-    os.makedirs(os.path.join(root, "runs"))
-    jobs = [RunJob(task=TASK, base=base, arch=arch, seed=seed, settings=settings, train_file=train_file,
-                   heldout=heldout.describe(), batch_size=min(options.n_heldout, options.batch_size),
-                   ckpt=os.path.join(root, f"{arch}-seed{seed}") if seed == seeds[0]
-                   else os.path.join(root, "runs", f"{arch}-seed{seed}"),
-                   max_new_tokens=heldout.max_new_tokens(), keep=seed == seeds[0], name=_LABEL[arch],
-                   model=None if arch == "standard" else dict(HOP_MODEL), task_run=heldout)
-            for seed in seeds for arch in archs]
+    jobs, heldout = hop_jobs(root, base, settings, archs, seeds, options.n_heldout, options.batch_size)
     t_start = time.perf_counter()
 
     def finish(results: list[dict]) -> dict:
@@ -305,5 +318,5 @@ def run_hop_demo(out: str, overwrite: bool = False, options: HopOptions | None =
     return {**res, "out": out_abs, "seconds": time.perf_counter() - t_start}
 
 
-__all__ = ["claims", "difficulty_table", "hop_part", "summary_markdown", "plot_accuracy_by_difficulty", "plot_deep_share",
+__all__ = ["claims", "difficulty_table", "hop_jobs", "hop_part", "summary_markdown", "plot_accuracy_by_difficulty", "plot_deep_share",
            "run_hop_demo", "summary_table"]

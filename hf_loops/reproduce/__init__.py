@@ -6,8 +6,11 @@ report, pictures and a `summary.json` per claim.
   probes per loop (local attention mass, key-marginal entropy).
 - `sgt` (`hf_loops.reproduce.sgt`): vanilla vs Block Loop vs SGT (head loops grown by Algorithm 1, then frozen) on the
   same text: held-out loss, training FLOPs ÷ vanilla, where growth put the loops.
+- `analysis` (`hf_loops.reproduce.analysis`): the mechanistic analysis's fixed-point and stage probes, with the paper's
+  thresholds, on the looped models the other runs train (LoopedFormer with the anchor topology, Block Loop, the demo's
+  TaH2): the share of tokens at a fixed point, degenerate vs cyclic fixed points, stage repetition and stability.
 """
 
-NAMES = ("spiralformer", "sgt")
+NAMES = ("spiralformer", "sgt", "analysis")
 
 __all__ = ["NAMES"]

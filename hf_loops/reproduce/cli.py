@@ -9,9 +9,11 @@ from ..evaluation.cli import set_threads
 from ..evaluation.report import console_table
 from . import NAMES
 
+VERDICTS = {True: "held", False: "did not hold", None: "not measurable"}
+
 
 def add_arguments(p) -> None:
-    p.add_argument("name", choices=NAMES, help="the paper: spiralformer or sgt")
+    p.add_argument("name", choices=NAMES, help="the paper: spiralformer, sgt or analysis (the mechanistic analysis)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per arch (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--out", default=None, help="output directory (default: reproduce_out/NAME)")
@@ -26,6 +28,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    from .analysis import run_analysis
     from .sgt import run_sgt
     from .spiralformer import run_spiralformer
 
@@ -35,7 +38,7 @@ def main(args) -> int:
     if args.workers is not None:
         check_int("--workers", args.workers, 1)
     out = args.out or f"reproduce_out/{args.name}"
-    run = {"spiralformer": run_spiralformer, "sgt": run_sgt}[args.name]
+    run = {"spiralformer": run_spiralformer, "sgt": run_sgt, "analysis": run_analysis}[args.name]
     res = run(out, seeds=range(args.seed, args.seed + args.seeds), quick=args.quick, overwrite=args.overwrite,
               workers=args.workers, steps=args.steps, lr=args.lr)
     for t in res["tables"]:
@@ -43,7 +46,7 @@ def main(args) -> int:
         print()
     print("the paper's claims, tested:")
     for name, ok, text in res["claims"]:
-        print(f"  {'held' if ok else 'did not hold'}: {name} ({text})")
+        print(f"  {VERDICTS[ok]}: {name} ({text})")
     print(f"\nwrote {res['out']} ({res['files']}) in {res['seconds']:.0f} s")
     return 0
 

@@ -57,8 +57,9 @@ class SpiralJob:
     settings: dict = field(default_factory=dict)  # unused by the run: `run_jobs` sorts by max_steps
 
 
-def build_spiral_model(arch: str, vocab_size: int, model: dict, seq_len: int, pad_token_id: int):
-    """Standard = a Qwen3 with the split's layers once; the looped two = a SpiralFormer with their chunk sizes."""
+def build_spiral_model(arch: str, vocab_size: int, model: dict, seq_len: int, pad_token_id: int, **overrides):
+    """Standard = a Qwen3 with the split's layers once; the looped two = a SpiralFormer with their chunk sizes (and
+    `overrides` of its config fields, e.g. `topology="anchor"`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ..modeling.configuration_spiralformer import SpiralFormerConfig
@@ -72,7 +73,7 @@ def build_spiral_model(arch: str, vocab_size: int, model: dict, seq_len: int, pa
                   pad_token_id=pad_token_id)
     if arch == "standard":
         return Qwen3ForCausalLM(Qwen3Config(**common, num_hidden_layers=sum(split.values())))
-    return SpiralFormerForCausalLM(SpiralFormerConfig(**common, **split, chunk_sizes=CHUNKS[arch]))
+    return SpiralFormerForCausalLM(SpiralFormerConfig(**common, **split, chunk_sizes=CHUNKS[arch], **overrides))
 
 
 def prefill_flops(config, seq_len: int) -> float:
