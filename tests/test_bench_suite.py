@@ -9,7 +9,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ["tah2-eff-b1", "tah2-kv-b8", "tah2-gen-eff-b1", "tah2-sft", "sgt-train", "block-train", "spiral-prefill", "spiral-core-passes"]
+ROWS = ["tah2-eff-b1", "tah2-kv-b8", "tah2-gen-eff-b1", "tah2-gen-pass-eff-b1", "tah2-sft", "sgt-train", "block-train", "spiral-prefill", "spiral-core-passes"]
 
 
 @pytest.mark.slow
@@ -40,6 +40,12 @@ def test_quick_run_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
         pairs = [t / s for s, t in zip(extra["repeat_seconds"]["standard"], extra["repeat_seconds"]["tah2"], strict=True)]
         assert extra["repeats"] == len(pairs) == 1 and extra["median_ratio"] == pytest.approx(statistics.median(pairs))
         assert f"median of the per-repeat ratios {extra['median_ratio']:.3f}×" in sft["note"]
+    passes = next(r for r in data["rows"] if r["id"] == "tah2-gen-pass-eff-b1")
+    if passes["met"] != "error":  # tokens/s ratio ÷ ((new − 1) Standard steps ÷ the largest per-row Σ depth)
+        c = passes["extra"]["continuous"]
+        decoded = round(c["tokens_per_s"] * c["seconds"])  # batch 1: new − 1 tokens, and the passes are its Σ depth
+        assert c["pass_bound"] == pytest.approx(decoded / c["steps"])
+        assert passes["measured"] == pytest.approx(c["tps_ratio"] / c["pass_bound"])
     md = (tmp_path / "smoke.md").read_text().splitlines()
     header = "| row | size | goal | measured | met? | note |"
     assert header in md
