@@ -30,7 +30,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-__all__ = ["Qwen3Attention", "Qwen3MLP", "RMSNorm", "check_engine", "load_weights", "use_vllm_layers"]
+__all__ = ["PACKED_MODULES_MAPPING", "Qwen3Attention", "Qwen3MLP", "RMSNorm", "check_engine", "load_weights", "use_vllm_layers"]
 
 # (fused parameter, checkpoint projection, shard id), as vLLM's Qwen2/Qwen3 loaders: only under the backbone
 # (`model.`), so the TaH2 updater/decider's own `gate_proj`/`up_proj` (unfused, `TaH2SwiGLU`) keep their names
@@ -41,6 +41,7 @@ STACKED_PARAMS_MAPPING = [
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
 ]
+PACKED_MODULES_MAPPING = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 def check_engine(vllm_config, name: str, tensor_parallel_refusal: str | None = None) -> None:

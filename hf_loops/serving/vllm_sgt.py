@@ -33,6 +33,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 
 from hf_loops.modeling.configuration_sgt import SGTConfig
 from hf_loops.serving.vllm_qwen3 import (
+    PACKED_MODULES_MAPPING,
     DecoderLayer,
     Qwen3Attention,
     RMSNorm,
@@ -117,6 +118,10 @@ def check_sgt_servable(config) -> None:
 
 class SGTForCausalLMvLLM(nn.Module):
     """vLLM model class for `SGTForCausalLM` checkpoints."""
+
+    # checkpoint projections → the fused layers that hold them (vLLM's quantization configs read it: a quantized
+    # checkpoint's `ignore` list names the unfused projections)
+    packed_modules_mapping = PACKED_MODULES_MAPPING
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()

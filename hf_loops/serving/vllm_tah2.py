@@ -62,6 +62,7 @@ from hf_loops.modeling.modeling_tah2 import (
 )
 from hf_loops.serving import vllm_stats
 from hf_loops.serving.vllm_qwen3 import (
+    PACKED_MODULES_MAPPING,
     DecoderLayer,
     Qwen3Attention,
     RMSNorm,
@@ -282,6 +283,10 @@ class _Runtime:
 
 class TaH2ForCausalLMvLLM(nn.Module):
     """vLLM model class for `TaH2ForCausalLM` checkpoints (eager mode, tensor parallel size 1)."""
+
+    # checkpoint projections → the fused layers that hold them (vLLM's quantization configs read it: a quantized
+    # checkpoint's `ignore` list names the unfused projections)
+    packed_modules_mapping = PACKED_MODULES_MAPPING
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
