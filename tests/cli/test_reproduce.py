@@ -79,11 +79,13 @@ def test_the_claims_by_hand():
     assert [ok for _, ok, _ in S.spiral_claims(archs)] == [False, False, False]
 
 
-@pytest.mark.parametrize("argv, text", [
-    (["--seeds", "0"], "--seeds"), (["--steps", "0"], "--steps"), (["--workers", "0"], "--workers"),
+@pytest.mark.parametrize("name, argv, text", [
+    ("spiralformer", ["--seeds", "0"], "--seeds"), ("spiralformer", ["--steps", "0"], "--steps"),
+    ("spiralformer", ["--workers", "0"], "--workers"), ("analysis", ["--seeds", "0"], "--seeds"),
+    ("analysis", ["--steps", "0"], "--steps"), ("analysis", ["--lr", "0"], "--lr"),
 ])
-def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, argv, text):
-    assert main(["reproduce", "spiralformer", "--quick", "--out", str(tmp_path / "o"), *argv]) == 2
+def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, name, argv, text):
+    assert main(["reproduce", name, "--quick", "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0]
     assert not (tmp_path / "o").exists()
