@@ -71,12 +71,25 @@ from hf_loops.serving.vllm_qwen3 import (
     use_vllm_layers,
 )
 
-__all__ = ["TaH2Config", "TaH2ForCausalLMvLLM", "check_servable"]
+__all__ = ["GRAPH_REFUSAL", "TaH2Config", "TaH2ForCausalLMvLLM", "check_graph_mode", "check_servable"]
 
 # why TaH2 is served at tensor_parallel_size=1 only (one line, in the load-time refusal)
 TENSOR_PARALLEL_REFUSAL = ("the loop's per-token decisions read full-vocabulary logits and the updater the whole "
                            "embedding on every rank, which the sharded LM head and embedding do not give; "
                            "use tensor_parallel_size=1")
+
+
+# why TaH2 needs enforce_eager=True on a GPU (one line, in the load-time refusal)
+GRAPH_REFUSAL = ("each engine step reads the decider's continue decisions on the host to plan the deeper pass, which "
+                 "a captured CUDA graph cannot hold (no piecewise graphs around the depth branch are built); use "
+                 "enforce_eager=True")
+
+
+def check_graph_mode(vllm_config, on_gpu: bool) -> None:
+    """enforce_eager=False is refused on GPUs (CUDA graphs), in one line. On CPU it runs: the plugin's model class
+    is not one vLLM compiles, so it runs eagerly under either setting (greedy tokens equal, tested)."""
+    if on_gpu and not vllm_config.model_config.enforce_eager:
+        raise ValueError(f"TaH2 in vLLM: enforce_eager=False is not supported on this platform: {GRAPH_REFUSAL}")
 
 
 def check_servable(config) -> None:
@@ -282,7 +295,7 @@ class _Runtime:
 
 
 class TaH2ForCausalLMvLLM(nn.Module):
-    """vLLM model class for `TaH2ForCausalLM` checkpoints (eager mode, tensor parallel size 1)."""
+    """vLLM model class for `TaH2ForCausalLM` checkpoints (runs eagerly; tensor parallel size 1)."""
 
     # checkpoint projections → the fused layers that hold them (vLLM's quantization configs read it: a quantized
     # checkpoint's `ignore` list names the unfused projections)
@@ -293,6 +306,9 @@ class TaH2ForCausalLMvLLM(nn.Module):
         config = vllm_config.model_config.hf_config
         check_servable(config)
         check_engine(vllm_config, "TaH2", TENSOR_PARALLEL_REFUSAL)
+        from vllm.platforms import current_platform
+
+        check_graph_mode(vllm_config, current_platform.is_cuda_alike())
         quant_config = vllm_config.quant_config
         self.config = config
         self.M = config.max_iterations

@@ -243,6 +243,51 @@ def test_w8a8_int8_checkpoint_serves_with_the_float_depths(references, tmp_path)
     assert abs(stats["tokens_per_depth"][1] - want[1]) <= 0.02 * want[0] and stats["tokens_per_depth"][0] == want[0]
 
 
+def test_bfloat16_and_graph_mode_on_cpu(references):
+    """bf16 serving: vLLM's bf16 greedy tokens follow our HF `generate` in bf16 on these prompts (49 of 50 before a
+    divergence: bf16 rounding differs between the two computations);
+    enforce_eager=False on CPU runs the same model eagerly (vLLM compiles only the model classes it decorates) and
+    gives the fp32 tokens; on a GPU it is refused at load (`check_graph_mode`)."""
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_loops.serving.vllm_tah2 import GRAPH_REFUSAL, check_graph_mode
+
+    ref = references["duo_m2"]
+    model = AutoModelForCausalLM.from_pretrained(ref["model"], dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    want = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            x = torch.tensor([p])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=0)
+            want.append(out[0, len(p):].tolist())
+
+    def served(dtype, eager):  # the engine is gone before the next one starts (its teardown resets vLLM's groups)
+        llm = vllm.LLM(model=ref["model"], dtype=dtype, enforce_eager=eager, max_model_len=256, max_num_seqs=8,
+                       max_num_batched_tokens=16, block_size=32, seed=0)
+        try:
+            return tokens_and_logprobs(run_staggered(llm, PROMPTS, greedy()))[0]
+        finally:
+            close(llm)
+
+    def agreed(got, expected):  # tokens before each request's first divergence
+        return [next((i for i, (a, b) in enumerate(zip(g, e, strict=True)) if a != b), len(e))
+                for g, e in zip(got, expected, strict=True)]
+
+    # bf16: 49 of 50 tokens before the first divergence (one request's last token differs: measured [9, 10, 10, 10, 10])
+    bf16 = agreed(served("bfloat16", True), want)
+    assert min(bf16) >= 8 and sum(bf16) >= 0.95 * NEW_TOKENS * len(PROMPTS), bf16
+    assert served("float32", False) == ref["tokens"]
+    with pytest.raises(ValueError, match="enforce_eager=False is not supported") as err:
+        check_graph_mode(types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False)), on_gpu=True)
+    assert GRAPH_REFUSAL in str(err.value) and "\n" not in str(err.value)
+    check_graph_mode(types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False)), on_gpu=False)
+
+
 def test_stop_string(references):
     ref = references["duo_m2"]
     from transformers import AutoTokenizer
