@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python experiments/quant/vllm_w8a8_hop.py [CHECKPOINT] [WORKDIR]   (after make demo)
 """
-import os, sys, gc, shutil, re
+import os, sys, tempfile, gc, shutil, re
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1"); os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -13,7 +13,7 @@ import hf_loops
 from hf_loops.core.w8a8 import save_w8a8_int8
 from hf_loops.evaluation.tasks import hop_task_run
 src = sys.argv[1] if len(sys.argv) > 1 else "demo_out/hop/tah2-seed0"
-q = sys.argv[2] if len(sys.argv) > 2 else "/tmp/w8a8_hop"
+q = sys.argv[2] if len(sys.argv) > 2 else os.path.join(tempfile.mkdtemp(prefix="w8a8_hop_"), "model")
 shutil.rmtree(q, ignore_errors=True)
 tok = AutoTokenizer.from_pretrained(src)
 save_w8a8_int8(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), q, tokenizer=tok)

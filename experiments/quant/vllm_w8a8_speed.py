@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python experiments/quant/vllm_w8a8_speed.py BATCH [WORKDIR]
 """
-import os, sys, time, gc, shutil
+import os, sys, tempfile, time, gc, shutil
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("OMP_NUM_THREADS", "1"); os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -10,7 +10,7 @@ sys.path[:0] = [os.path.join(REPO, "tests", "serving"), REPO]
 import torch
 import vllm_reference as R
 from hf_loops.core.w8a8 import save_w8a8_int8
-root = sys.argv[2] if len(sys.argv) > 2 else "/tmp/w8a8_speed"
+root = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="w8a8_speed_")
 shutil.rmtree(root, ignore_errors=True); os.makedirs(root)
 qwen = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 model = R.build({"seed": 0, "tah2": {"max_iterations": 2}, "qwen": qwen}, root)
