@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ SIZES = {
                  num_key_value_heads=8, head_dim=64),
 }
 PROMPT = 64
+SERVE_BLOCK = 32  # KV block size of the serving workload (its prompts: 2 full blocks + 1 token; CPU: a multiple of 32)
 STATS = {"kv_connector": "DepthStatsConnector", "kv_role": "kv_both",
          "kv_connector_module_path": "hf_loops.serving.vllm_stats"}
 
@@ -152,7 +154,7 @@ def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
             first[name], decode[name] = min(first[name], f), min(decode[name], d)
             if name == "tah2":
                 stats = [o.kv_transfer_params["depth_statistics"] for o in outs]
-                steps = engine_stats["steps_per_depth"]
+                steps = engine_stats["steps_per_pass"]
     hf_total, hf_first = hf_generate_seconds(dirs["tah2"], prompts, new, args.rounds, root)
     decode_tokens, total_tokens = B * (new - 1), B * new
     tps = {name: decode_tokens / decode[name] for name in llms}
@@ -162,7 +164,7 @@ def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
         "batch": B, "decode_tokens_per_s": tps, "ratio": tps["tah2"] / tps["qwen3"],
         "flops_bound": flops_bound(config, stats),
         # Qwen3 reads all weights once per decode step, TaH2 once per depth it runs in the step
-        "pass_bound": steps[0] / sum(steps), "decode_steps_per_depth": steps,
+        "pass_bound": steps[0] / sum(steps), "decode_steps_per_pass": steps,
         "whole_call_tokens_per_s": total_tps, "whole_call_ratio": total_tps["tah2"] / total_tps["qwen3"],
         "mean_depth": sum(counts) / counts[0],
         "prompt_mean_depth": sum(s["prompt"]["mean_depth"] for s in stats) / len(stats),
@@ -174,6 +176,69 @@ def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
         "kv_bytes_per_token": kv, "load_average": os.getloadavg()}
 
 
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The serving workload: 4 × B requests queued, max_num_seqs = B (freed slots refill)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def serving_round(llm, prompts, params) -> tuple[int, float, list]:
+    """All `prompts` queued at once; returns the tokens generated, the seconds of all engine steps, and the
+    finished outputs."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    tag = f"{time.monotonic_ns()}"
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=ids), params)
+    done = []
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    seconds = time.perf_counter() - t
+    return sum(len(o.outputs[0].token_ids) for o in done), seconds, done
+
+
+def measure_serving(dirs, B: int, prompts, params, rounds: int) -> dict:
+    """TaH2 ÷ Qwen3 decode tokens/s on the serving workload, per round (rounds alternate the two engines), the mean
+    executed depth d̄ of TaH2's generated tokens and the depth-bound efficiency ratio × d̄. The prompts' KV comes
+    from the prefix cache (warmed before the rounds; 32-token blocks, prompts of 2 blocks + 1 token), so every
+    engine step, also one that admits a request, runs one token per request: decode only, with refills."""
+    import vllm
+
+    llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=B,
+                           max_num_batched_tokens=max(2048, B * len(prompts[0])), block_size=SERVE_BLOCK,
+                           enable_prefix_caching=True, seed=0, kv_transfer_config=STATS) for name, d in dirs.items()}
+    warm = vllm.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for llm in llms.values():  # the prefix cache, and one round to warm up
+        serving_round(llm, prompts, warm)
+        serving_round(llm, prompts[:B], params)
+    llms["tah2"].apply_model(lambda model: model.depth_statistics(reset=True))
+    tps = {name: [] for name in llms}
+    counts, cached, prompt_tokens = [0, 0], 0, 0
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            tokens, seconds, outs = serving_round(llm, prompts, params)
+            tps[name].append(tokens / seconds)
+            cached += sum(o.num_cached_tokens or 0 for o in outs)
+            prompt_tokens += sum(len(o.prompt_token_ids) for o in outs)
+            if name == "tah2":
+                stats = [o.kv_transfer_params["depth_statistics"]["output"]["tokens_per_depth"] for o in outs]
+                counts = [counts[m] + sum(s[m] for s in stats) for m in range(2)]
+    (engine_stats,) = llms["tah2"].apply_model(lambda model: model.depth_statistics())
+    del llms
+    gc.collect()
+    ratios = [a / b for a, b in zip(tps["tah2"], tps["qwen3"], strict=True)]
+    mean_depth = sum(counts) / counts[0]
+    effs = [r * mean_depth for r in ratios]
+    steps = engine_stats["steps_per_pass"]
+    return {"batch": B, "requests": len(prompts), "max_num_seqs": B, "decode_tokens_per_s": tps, "ratios": ratios,
+            "ratio": statistics.median(ratios), "mean_depth": mean_depth, "efficiencies": effs,
+            "efficiency": statistics.median(effs), "passes_per_step": sum(steps) / steps[0],
+            "deferred": engine_stats["deferred"], "prompt_cache_hit": cached / prompt_tokens,
+            "load_average": os.getloadavg()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="small", help="comma-separated: small, 100m")
@@ -182,6 +247,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--workload", default="serving", choices=["serving", "closed"],
+                   help="serving: 4 × B requests queued with max_num_seqs = B (cpu-vllm-serving.*); closed: B "
+                        "requests together (cpu-vllm.*)")
     args = p.parse_args(argv)
     # before torch and vLLM start: one engine per model in this process, and the thread count for both and for HF
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -198,6 +266,18 @@ def main(argv=None):
     all_prompts = [[rng.randrange(3, 8000) for _ in range(PROMPT)] for _ in range(max(batches))]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     rows, loads = [], {"start": os.getloadavg()}
+    if args.workload == "serving":
+        queued = [[rng.randrange(3, 8000) for _ in range(2 * SERVE_BLOCK + 1)] for _ in range(4 * max(batches))]
+        for size in args.sizes.split(","):
+            with tempfile.TemporaryDirectory() as root:
+                dirs = dict(zip(("qwen3", "tah2"), build(root, SIZES[size]), strict=True))
+                for B in batches:
+                    rows.append(measure_serving(dirs, B, queued[:4 * B], params, args.rounds))
+                    rows[-1]["row"] = f"vllm-tah2{'' if size == 'small' else '-' + size}-serve-b{B}"
+                    rows[-1]["size"] = size
+                    print(json.dumps(rows[-1]), flush=True)
+        loads["end"] = os.getloadavg()
+        return write_serving(rows, args, loads, vllm.__version__)
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as root:
             dirs = dict(zip(("qwen3", "tah2"), build(root, SIZES[size]), strict=True))
@@ -246,6 +326,32 @@ def write(rows, args, loads, vllm_version):
                                f"{start[2]:.1f} at start, {end[0]:.1f} / {end[1]:.1f} / {end[2]:.1f} at the end, "
                                f"on {os.cpu_count()} cores; best of {args.rounds} interleaved rounds\n")
     with open(os.path.join(args.out, "cpu-vllm.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+def write_serving(rows, args, loads, vllm_version):
+    import torch
+
+    settings = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "vllm": vllm_version,
+                "torch": torch.__version__, "threads": args.threads, "cpu_count": os.cpu_count(),
+                "load_average": loads, "models": {size: SIZES[size] for size in args.sizes.split(",")},
+                "workload": {"prompt": 2 * SERVE_BLOCK + 1, "block_size": SERVE_BLOCK, "new_tokens": args.new,
+                             "rounds": args.rounds, "requests": "4 × B, max_num_seqs = B",
+                             "timed": "every engine step; prompts from the prefix cache but their last token"}}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cpu-vllm-serving.json"), "w") as f:
+        json.dump({"settings": settings, "rows": rows}, f, indent=1)
+    lines = ["| id | TaH2 ÷ Qwen3 decode tokens/s, median (rounds) | d̄ | depth-bound efficiency, median (rounds) | "
+             "passes per TaH2 step | prompt tokens from the prefix cache | load |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['ratio']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) | "
+                     f"{r['mean_depth']:.3f} | {r['efficiency']:.3f} ({', '.join(f'{x:.3f}' for x in r['efficiencies'])})"
+                     f" | {r['passes_per_step']:.2f} | {100 * r['prompt_cache_hit']:.1f} % | {r['load_average'][0]:.1f} |")
+    start, end = loads["start"], loads["end"]
+    text = "\n".join(lines) + (f"\n\n{args.threads} thread(s); load average {start[0]:.1f} at start, {end[0]:.1f} "
+                               f"at the end, on {os.cpu_count()} cores; {args.rounds} interleaved rounds\n")
+    with open(os.path.join(args.out, "cpu-vllm-serving.md"), "w") as f:
         f.write(text)
     print(text)
 

@@ -381,6 +381,16 @@ class StoppingWeightedMixture:
         self.remaining = self.remaining.index_put(index, torch.where(cont, r * g, r))
         return log_w
 
+    def resume_at(self, index, kept_index, remaining: torch.Tensor, log_dist: torch.Tensor) -> None:
+        """Continue the mixture of tokens whose earlier depths ran before (the vLLM model: a decode token deferred to
+        the next engine step): their remaining mass R at (batch, time) `index` and their accumulated log ω·q over the
+        vocabulary at (batch, kept-slot) `kept_index`, as `remaining` and `log_dist` held them then."""
+        self.remaining = self.remaining.index_put(index, remaining.to(self.remaining))
+        if self.log_dist is None:
+            B, _, K = self.shape
+            self.log_dist = torch.full((B, K, log_dist.shape[-1]), float("-inf"), device=self.device)
+        self.log_dist = self.log_dist.index_put(kept_index, log_dist.to(self.log_dist))
+
     def _accumulate(self, buffer, index, term):
         if self.kind == "final":
             return buffer.index_put(index, term)

@@ -78,16 +78,17 @@ def current_runner():
 
 
 def record(runner, meta, positions: torch.Tensor, depth: torch.Tensor, M: int) -> None:
-    """Worker side: add this step's executed depths (real tokens only) to each request's counts of the step."""
+    """Worker side: add this step's executed depths (real tokens only) to each request's counts of the step; a token
+    of depth 0 is not counted (a decode token whose depths go on in the next step: it counts when it finishes)."""
     num_reqs = meta.query_start_loc.shape[0] - 1
     real = meta.num_actual_tokens
     req_ids = runner.input_batch.req_ids[:num_reqs]
-    tokens = torch.arange(real, device=depth.device)
+    tokens = (depth[:real] > 0).nonzero().squeeze(1)
     req = torch.searchsorted(meta.query_start_loc[1:].to(depth.device), tokens, right=True)
     prompt_len = torch.as_tensor(runner.input_batch.num_prompt_tokens[:num_reqs], device=depth.device)
-    part = (positions[:real] >= prompt_len[req]).long()
+    part = (positions[tokens] >= prompt_len[req]).long()
     counts = torch.zeros(num_reqs, 2, M, dtype=torch.long)
-    counts.index_put_((req.cpu(), part.cpu(), (depth[:real] - 1).cpu()), torch.ones(real, dtype=torch.long),
+    counts.index_put_((req.cpu(), part.cpu(), (depth[tokens] - 1).cpu()), torch.ones(tokens.numel(), dtype=torch.long),
                       accumulate=True)
     with _LOCK:
         for i, rid in enumerate(req_ids):

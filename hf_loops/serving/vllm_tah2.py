@@ -60,7 +60,7 @@ from hf_loops.modeling.modeling_tah2 import (
     needs_logits_for_decisions,
     next_input,
 )
-from hf_loops.serving import vllm_stats
+from hf_loops.serving import vllm_sched, vllm_stats
 from hf_loops.serving.vllm_qwen3 import (
     PACKED_MODULES_MAPPING,
     DecoderLayer,
@@ -227,19 +227,44 @@ class DeepPlan:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+class PassPlan:
+    """One backbone pass: its tokens (flat indices of the step), and per stream ≥ 1 that some of them run, their
+    place in the pass and their `DeepPlan`. The step's first pass (`first`) carries every scheduled token and runs
+    vLLM's own attention for stream 0; the tokens of it that resume a deeper depth (decode tokens deferred from the
+    previous step) rewrite their own cached stream-0 keys/values there unchanged (`own_offsets`) and take their
+    output from their stream's deep attention instead."""
+
+    def __init__(self, first: bool, groups: list, own_offsets: torch.Tensor | None = None):
+        self.first = first
+        self.groups = groups  # [(stream, index in the pass or None for all, DeepPlan or None in profiling runs)]
+        self.own_offsets = own_offsets
+
+
 class _SelfAttention(Qwen3Attention):
     def __init__(self, config, cache_config, quant_config, prefix: str):
         # one paged KV slot per (stream, layer); all share the block table of stream 0
         super().__init__(config, cache_config, quant_config, prefix,
                          [f"attn_depth{j + 1}" for j in range(1, config.max_iterations)])
 
-    def forward(self, x, positions, stream: int, plan: DeepPlan | None, layout: PagedLayout | None):
+    def forward(self, x, positions, plan: PassPlan, layout: PagedLayout | None):
         q, k, v = self.qkv(x, positions)
-        if stream == 0:
-            return self.output(self.attn[0](q, k, v))
-        return self.output(self._deep_attention(q, k, v, stream, plan, layout))
+        if plan.first:
+            if plan.own_offsets is not None:  # resumed tokens leave stream 0's cache as it is
+                idx = torch.cat([index for _, index, _ in plan.groups])
+                own = layout.read(self.attn[0].kv_cache, plan.own_offsets).view(-1, 2, self.kv_size).to(k.dtype)
+                out = self.attn[0](q, k.index_copy(0, idx, own[:, 0]), v.index_copy(0, idx, own[:, 1]))
+            else:
+                out = self.attn[0](q, k, v)
+        else:
+            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        for stream, index, deep in plan.groups:
+            if index is None:
+                out = self._deep_attention(q, k, v, stream, deep, layout)
+            else:
+                out[index] = self._deep_attention(q[index], k[index], v[index], stream, deep, layout)
+        return self.output(out)
 
-    def _deep_attention(self, q, k, v, stream, plan, layout):
+    def _deep_attention(self, q, k, v, stream, plan: DeepPlan | None, layout):
         n, H, Hkv, D = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if plan is None:  # profiling / warm-up run: no cache bound yet
             return torch.zeros(n, H * D, dtype=q.dtype, device=q.device)
@@ -261,8 +286,8 @@ class _SelfAttention(Qwen3Attention):
 
 
 class _DecoderLayer(DecoderLayer):
-    def forward(self, x, positions, stream, plan, layout):
-        return self.feed_forward(self.attention(x, positions, stream, plan, layout))
+    def forward(self, x, positions, plan, layout):
+        return self.feed_forward(self.attention(x, positions, plan, layout))
 
 
 class _Backbone(nn.Module):
@@ -276,15 +301,68 @@ class _Backbone(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def run(self, x, positions, stream, plan, layout):
+    def run(self, x, positions, plan: PassPlan, layout):
         for layer in self.layers:
-            x = layer(x, positions, stream, plan, layout)
+            x = layer(x, positions, plan, layout)
         return self.norm(x)
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The model vLLM runs
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+class _Step:
+    """Which tokens of one engine step resume a deferred depth (`start`: the depth they executed before; 0 for a
+    fresh token) and which may be deferred to the next step (`deferrable`: a request's one scheduled token that
+    vLLM samples in this step, while a `DepthScheduler` rewinds deferred requests)."""
+
+    def __init__(self, N: int, device, runner=None):
+        self.start = torch.zeros(N, dtype=torch.long, device=device)
+        self.deferrable = torch.zeros(N, dtype=torch.bool, device=device)
+        self.resumed: list = []  # their `vllm_sched.PendingToken`s, in the order of `resumed_index`
+        self.resumed_index = None
+        self.runner = runner
+        self.requests: dict[int, tuple[int, str, int]] = {}  # deferrable token → (request row, request id, position)
+
+    @classmethod
+    def plan(cls, model, meta, positions, N: int, device) -> _Step:
+        if model._runner is None:
+            model._runner = vllm_stats.current_runner()
+        step = cls(N, device, model._runner)
+        runner = step.runner
+        if not (model.defer_depths and vllm_sched.schedulers_built() > model.schedulers_before
+                and hasattr(runner, "discard_request_mask")):
+            return step
+        qsl = meta.query_start_loc.tolist()
+        discard = runner.discard_request_mask.np
+        single = [i for i in range(len(qsl) - 1) if qsl[i + 1] - qsl[i] == 1 and not discard[i]]
+        if not single:
+            return step
+        tok = [qsl[i] for i in single]
+        pos = positions[torch.tensor(tok, device=positions.device)].tolist()
+        step.deferrable[tok] = True
+        resumed = []
+        for i, t, p in zip(single, tok, pos, strict=True):
+            rid = runner.input_batch.req_ids[i]
+            step.requests[t] = (i, rid, p)
+            token = vllm_sched.pending.pop(rid, None)
+            if token is not None and token.position == p:  # its same token again: the next depth
+                resumed.append(t)
+                step.resumed.append(token)
+        if resumed:
+            step.resumed_index = torch.tensor(resumed, dtype=torch.long, device=device)
+            step.start[step.resumed_index] = torch.tensor([p.depth for p in step.resumed], device=device)
+        return step
+
+    def defer(self, tokens: torch.Tensor, depth: torch.Tensor, next_input: torch.Tensor, mixture, row_pos) -> None:
+        """Hand the tokens' next depth to the next step: their state to `vllm_sched`, their rows to vLLM's
+        discard mask (no token sampled for them in this step)."""
+        for j, (t, m) in enumerate(zip(tokens.tolist(), depth.tolist(), strict=True)):
+            i, rid, p = self.requests[t]
+            vllm_sched.defer(rid, vllm_sched.PendingToken(
+                position=p, depth=m, next_input=next_input[j].detach().clone(),
+                remaining=mixture.remaining[0, t].clone(), log_dist=mixture.log_dist[0, row_pos[t]].clone()))
+            self.runner.discard_request_mask.np[i] = True
 
 
 class _Runtime:
@@ -328,8 +406,13 @@ class TaH2ForCausalLMvLLM(nn.Module):
         self.runtime = _Runtime()
         # tokens run at each depth since the last reset (real steps only): mean depth and continue rates
         self.depth_counts = torch.zeros(self.M, dtype=torch.long)
-        # engine steps that ran depth m (each such step runs the backbone once more: all weights read again)
+        # engine steps that ran more than k backbone passes (each pass reads all weights again)
         self.step_counts = [0] * self.M
+        # depth as the unit of scheduling (`vllm_sched`): a continuing decode token's next depth runs in the next
+        # step, in its one weight pass, where the engine's scheduler is (now) a `DepthScheduler`
+        self.defer_depths = self.M > 1 and vllm_sched.use_depth_scheduler(vllm_config)
+        self.schedulers_before = vllm_sched.schedulers_built()
+        self.deferred_count = 0  # decode tokens whose next depth was handed to the next step, since the last reset
         # per request, returned with the finished request by the depth-statistics connector (when it is configured)
         self.request_statistics = vllm_stats.enabled(vllm_config)
         self._runner = None
@@ -340,43 +423,50 @@ class TaH2ForCausalLMvLLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        cfg = self.config
+        """One engine step. Its first backbone pass carries every scheduled token: fresh ones at depth 1, and decode
+        tokens deferred from earlier steps at their next depth (`vllm_sched`). After each pass the decider picks
+        the tokens that continue: a decode token (its request's one scheduled token, sampled in this step) is
+        deferred to the next step when the engine's scheduler is a `DepthScheduler`; every other token (prefill
+        chunks) runs its next depth in a further pass of this step."""
+        cfg, M = self.config, self.M
         e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         meta = self._step_metadata()
-        layout = self.runtime.layout
-        h = self.model.run(e, positions, 0, None, None)
-        N, d, M = e.shape[0], e.shape[1], self.M
-        device = e.device
-        hidden = torch.zeros(N, M, d, dtype=torch.float32, device=device)
-        # per (token, depth): the mixture's log-weight of the depth (−inf where it did not run), as the HF model's
-        # `StoppingWeightedMixture.log_weights` gives it (stop_prob: log R(1 − g) or log R; even / final: 0)
-        log_w = torch.full((N, M), float("-inf"), dtype=torch.float32, device=device)
-        depth = torch.ones(N, dtype=torch.long, device=device)
-        real = N
+        N, d, device = e.shape[0], e.shape[1], e.device
+        real = N if meta is None else meta.num_actual_tokens  # the rest is padding: it never runs deeper
         # the rows vLLM samples in this step (each request's last scheduled token) and their place in the mixture
         rows = torch.zeros(0, dtype=torch.long, device=device)
         if meta is not None:
-            real = meta.num_actual_tokens  # the rest is padding: it never runs deeper
-            self.runtime.marker[meta.slot_mapping[:real]] = 1
-            self.depth_counts[0] += real
-            self.step_counts[0] += 1
             rows = (meta.query_start_loc[1:].to(device) - 1).long()
         row_pos = torch.full((N,), -1, dtype=torch.long, device=device)
         row_pos[rows] = torch.arange(rows.numel(), device=device)
         mixture = StoppingWeightedMixture(cfg.mixture, 1, N, rows.numel(), device)
-        tokens = torch.arange(N, device=device)
-        for m in range(1, M + 1):
-            hidden[tokens, m - 1] = h.float()
-            z = None
-            if m == M:
-                cont = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
-                g = torch.zeros(tokens.shape[0], device=device)
+        step = _Step.plan(self, meta, positions, N, device) if meta is not None else _Step(N, device)
+        x = e
+        if step.resumed:  # deferred tokens: their next input and their mixture so far
+            x = e.index_copy(0, step.resumed_index, torch.stack([p.next_input for p in step.resumed]).to(e.dtype))
+            mixture.resume_at((torch.zeros_like(step.resumed_index), step.resumed_index),
+                              (torch.zeros_like(step.resumed_index), row_pos[step.resumed_index]),
+                              torch.stack([p.remaining for p in step.resumed]),
+                              torch.stack([p.log_dist for p in step.resumed]))
+        hidden = torch.zeros(N, M, d, dtype=torch.float32, device=device)
+        # per (token, depth): the mixture's log-weight of the depth (−inf where it did not run in this step), as the
+        # HF model's `StoppingWeightedMixture.log_weights` gives it (stop_prob: log R(1 − g) or log R; even/final: 0)
+        log_w = torch.full((N, M), float("-inf"), dtype=torch.float32, device=device)
+        depth = step.start + 1  # each token's executed depth so far (earlier steps' included)
+        tokens, stream = torch.arange(N, device=device), step.start.clone()
+        h = self.model.run(x, positions, self._pass_plan(meta, tokens, stream, positions, 0), self.runtime.layout)
+        passes = 1
+        while True:
+            hidden[tokens, stream] = h.float()
+            last = stream == M - 1
+            z = self._logits(h) if needs_logits_for_decisions(cfg) and not bool(last.all()) else None
+            if bool(last.all()):
+                g, cont = torch.zeros(tokens.shape[0], device=device), last.logical_not()
             else:
-                z = self._logits(h) if needs_logits_for_decisions(cfg) else None
-                g = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens], h, z))
-                cont = continue_decisions(cfg, g, cfg.exit_threshold)
+                g = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens], h, z)).masked_fill(last, 0.0)
+                cont = continue_decisions(cfg, g, cfg.exit_threshold) & ~last
             w = mixture.log_weights_at((torch.zeros_like(tokens), tokens), g, cont)
-            log_w[tokens, m - 1] = w
+            log_w[tokens, stream] = w
             pos = row_pos[tokens]
             sel = (pos >= 0).nonzero().squeeze(1)
             if sel.numel():  # this depth's distribution of the rows vLLM samples (the decider's logits reused)
@@ -387,22 +477,24 @@ class TaH2ForCausalLMvLLM(nn.Module):
                 break
             x = next_input(cfg, self.updater, self.model.embed_tokens.weight, e[tokens[keep]], h[keep],
                            None if z is None else z[keep])
-            tokens = tokens[keep]
-            depth[tokens] = m + 1
-            plan = None
-            if meta is not None:
-                self.runtime.marker[meta.slot_mapping[tokens]] = m + 1
-                self.depth_counts[m] += tokens.numel()
-                self.step_counts[m] += 1
-                plan = DeepPlan(cfg.iteration_attention, m, tokens, positions, meta, self.runtime.marker, layout)
-            h = self.model.run(x.to(e.dtype), positions[tokens], m, plan, layout)
+            later = step.deferrable[tokens[keep]]
+            if bool(later.any()):  # decode tokens: their next depth runs in the next engine step
+                self.deferred_count += int(later.sum())
+                step.defer(tokens[keep[later]], stream[keep[later]] + 1, x[later], mixture, row_pos)
+                depth[tokens[keep[later]]] = 0  # not finished: counted in the statistics when it is
+                keep, x = keep[~later], x[~later]
+                if keep.numel() == 0:
+                    break
+            tokens, stream = tokens[keep], stream[keep] + 1
+            depth[tokens] = stream + 1
+            h = self.model.run(x.to(e.dtype), positions[tokens],
+                               self._pass_plan(meta, tokens, stream, positions, passes), self.runtime.layout)
+            passes += 1
         if meta is not None and self.request_statistics:
-            if self._runner is None:
-                self._runner = vllm_stats.current_runner()
-            vllm_stats.record(self._runner, meta, positions, depth, M)
+            vllm_stats.record(step.runner, meta, positions, depth, M)
         self._sampled = None
         if rows.numel():
-            self._sampled = (row_pos, mixture.log_probs(depth[rows][None])[0])
+            self._sampled = (row_pos, mixture.log_probs(depth.clamp(min=1)[rows][None])[0])
         row_index = torch.arange(N, device=device, dtype=torch.float32)[:, None]  # each row's index (exact in fp32)
         return torch.cat([hidden.flatten(1), log_w, row_index], dim=1)
 
@@ -437,14 +529,16 @@ class TaH2ForCausalLMvLLM(nn.Module):
 
     def depth_statistics(self, reset: bool = False) -> dict:
         """Tokens run at each depth since the last reset, their mean executed depth, the continue rate after each
-        depth, and the engine steps that ran each depth (read in-process with `LLM.apply_model(lambda m:
-        m.depth_statistics())`)."""
+        depth, `steps_per_pass`: the engine steps that ran a (k+1)-th backbone pass (its sum: all passes; with
+        depth scheduling a decode step runs one), and `deferred`: the times a decode token's next depth was handed to
+        the next step (read in-process with `LLM.apply_model(lambda m: m.depth_statistics())`)."""
         counts = self.depth_counts.tolist()
         stats = {"tokens_per_depth": counts,
                  "mean_depth": sum(counts) / counts[0] if counts[0] else 0.0,
                  "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:], strict=False)],
-                 "steps_per_depth": list(self.step_counts)}
+                 "steps_per_pass": list(self.step_counts), "deferred": self.deferred_count}
         if reset:
+            self.deferred_count = 0
             self.depth_counts.zero_()
             self.step_counts = [0] * self.M
         return stats
@@ -453,6 +547,29 @@ class TaH2ForCausalLMvLLM(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """z(m): the LM head through vLLM's `LogitsProcessor` (the vocabulary without the embedding's padding)."""
         return self.logits_processor(self.lm_head, h)
+
+    def _pass_plan(self, meta, tokens: torch.Tensor, stream: torch.Tensor, positions, k: int) -> PassPlan:
+        """Pass k of the step: mark its real tokens' executed depth in the slot marker, count them, and plan the
+        deep attention of its tokens at a stream ≥ 1 (one `DeepPlan` per stream)."""
+        first = k == 0
+        streams = [s for s in stream.unique().tolist() if s > 0]
+        if meta is None:  # profiling run: deep passes output zeros
+            return PassPlan(first, [(s, None if len(streams) == 1 and not first else (stream == s).nonzero()
+                                     .squeeze(1), None) for s in streams])
+        live = tokens < meta.num_actual_tokens
+        self.runtime.marker[meta.slot_mapping[tokens[live]]] = (stream[live] + 1).to(torch.int8)
+        self.depth_counts += torch.bincount(stream[live], minlength=self.M).cpu()
+        self.step_counts[k] += 1
+        groups = []
+        for s in streams:
+            local = None if len(streams) == 1 and not first else (stream == s).nonzero().squeeze(1)
+            group = tokens if local is None else tokens[local]
+            groups.append((s, local, DeepPlan(self.config.iteration_attention, s, group, positions,
+                                              meta, self.runtime.marker, self.runtime.layout)))
+        own = None
+        if first and groups:
+            own = self.runtime.layout.flat_offsets(meta.slot_mapping[torch.cat([g[1] for g in groups])])
+        return PassPlan(first, groups, own)
 
     def _step_metadata(self):
         """This step's attention metadata (None in profiling runs); binds the cache layout and marker on first use."""
