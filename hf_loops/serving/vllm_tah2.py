@@ -335,7 +335,10 @@ class _Step:
             return step
         qsl = meta.query_start_loc.tolist()
         discard = runner.discard_request_mask.np
-        single = [i for i in range(len(qsl) - 1) if qsl[i + 1] - qsl[i] == 1 and not discard[i]]
+        # a request with its own seed on CPU keeps every depth within its step: vLLM rewinds the generator of a
+        # discarded sample, which a CPU generator cannot ("CPU Generator does not use offset")
+        seeded = {i for i, g in runner.input_batch.generators.items() if g.device.type == "cpu"}
+        single = [i for i in range(len(qsl) - 1) if qsl[i + 1] - qsl[i] == 1 and not discard[i] and i not in seeded]
         if not single:
             return step
         tok = [qsl[i] for i in single]

@@ -109,8 +109,13 @@ class Reference:
             self.proc = None
 
 
-REFERENCE = Reference({name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
-                       for i, (name, tah2) in enumerate(MODELS.items())}, "vllm_tah2")
+# four 29-token prompts: admitted together into one 32-token block each, they cross into a second block while
+# decoding, which a 6-block cache cannot give them all (preemption); duo_m3's weights (same seed)
+PREEMPT_PROMPTS = [[_rng.randrange(3, 8000) for _ in range(29)] for _ in range(4)]
+REFERENCE = Reference({**{name: {"seed": i, "tah2": tah2, "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS}
+                          for i, (name, tah2) in enumerate(MODELS.items())},
+                       "duo_m3_preempt": {"seed": list(MODELS).index("duo_m3"), "tah2": MODELS["duo_m3"],
+                                          "prompts": PREEMPT_PROMPTS, "max_new_tokens": NEW_TOKENS}}, "vllm_tah2")
 
 
 @pytest.fixture(scope="module")
@@ -586,3 +591,157 @@ def test_tensor_parallel_refused_in_one_line():
     check_engine(engine(2), "SGT")
     with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
         check_engine(engine(1, pp=2), "SGT")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Depth as the unit of scheduling (`vllm_sched`): one weight pass per decode step
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def decode_deferrals(ref, prompts, single_token_prompts=()):
+    """How often a decode token's next depth goes to the next step: every depth after the first of each token fed
+    back (the output part of HF's depths), and of a prompt whose whole chunk is its one token."""
+    total = 0
+    for i, (row, prompt) in enumerate(zip(ref["sequence_depths"], prompts, strict=False)):
+        total += sum(d - 1 for d in row[len(prompt):])
+        if i in single_token_prompts:
+            total += row[len(prompt) - 1] - 1
+    return total
+
+
+@pytest.mark.parametrize("name", ["duo_m3", "causal_m3", "same_iter_m2", "fixed_m3"])
+def test_depth_scheduling_one_weight_pass_per_decode_step(references, name, monkeypatch):
+    """All prompts prefill in the first step; after it every step is decode only and runs exactly one backbone
+    pass, however many tokens continue; each continuing depth is deferred once; tokens, log-probabilities and the
+    depth statistics equal HF's. The same engine with HF_LOOPS_VLLM_DEPTH_SCHEDULING=0 runs a second pass in its
+    decode steps and defers nothing, with the same tokens."""
+    from vllm.inputs import TokensPrompt
+
+    from hf_loops.serving.vllm_sched import DepthScheduler
+
+    ref = references[name]
+    M = MODELS[name]["max_iterations"]
+
+    def served():  # the engine is gone before the next one starts (its teardown resets vLLM's groups)
+        llm = vllm.LLM(model=ref["model"], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                       max_num_batched_tokens=256, block_size=32, enable_prefix_caching=False, seed=0,
+                       kv_transfer_config=STATS_CONNECTOR)
+        try:
+            ours = isinstance(llm.llm_engine.engine_core.engine_core.scheduler, DepthScheduler)
+            llm.apply_model(lambda model: model.depth_statistics(reset=True))
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], greedy(), use_tqdm=False)
+            (stats,) = llm.apply_model(lambda model: model.depth_statistics())
+        finally:
+            close(llm)
+        return ours, outs, stats
+
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", setting)
+        ours, outs, stats = served()
+        gc.collect()
+        assert ours == (setting == "1")
+        tokens, logprobs = tokens_and_logprobs(outs)
+        assert tokens == ref["tokens"]
+        assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4
+        for o, row, prompt in zip(outs, ref["sequence_depths"], PROMPTS, strict=True):
+            got = o.kv_transfer_params["depth_statistics"]
+            want = expected_request_statistics(row, len(prompt), 0, M)
+            assert {part: got[part]["tokens_per_depth"] for part in want} == want
+        results[setting] = stats
+    on, off = results["1"], results["0"]
+    assert on["steps_per_pass"][0] > NEW_TOKENS  # deferred depths take steps of their own
+    # the prefill step runs its prompts' depths within itself; every later step one pass
+    assert on["steps_per_pass"][1:] == [1] * (M - 1)
+    assert on["deferred"] == decode_deferrals(ref, PROMPTS, single_token_prompts={3}) > 0
+    assert on["tokens_per_depth"] == off["tokens_per_depth"]
+    assert off["deferred"] == 0 and off["steps_per_pass"][0] == NEW_TOKENS and off["steps_per_pass"][1] > 1
+
+
+def test_depth_scheduling_survives_preemption(references):
+    """A KV cache of 6 blocks for 4 requests that grow to 2 each: vLLM preempts running requests (with these
+    prompts, one while a token of its is between two depths) and recomputes them; greedy tokens and
+    log-probabilities still equal HF's."""
+    from vllm.inputs import TokensPrompt
+
+    ref = references["duo_m3_preempt"]
+    llm = vllm.LLM(model=ref["model"], dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=8,
+                   max_num_batched_tokens=128, block_size=32, enable_prefix_caching=False, seed=0,
+                   num_gpu_blocks_override=6)
+    preempted = []
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        original = scheduler._preempt_request
+
+        def counting(request, *args, **kwargs):
+            from hf_loops.serving import vllm_sched
+
+            preempted.append(request.request_id in vllm_sched.pending)
+            return original(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+        del scheduler
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PREEMPT_PROMPTS], greedy(), use_tqdm=False)
+        (stats,) = llm.apply_model(lambda model: model.depth_statistics())
+    finally:
+        close(llm)
+    tokens, logprobs = tokens_and_logprobs(outs)
+    assert any(preempted) and stats["deferred"] > 0  # a request preempted while its token was between depths
+    assert tokens == ref["tokens"]
+    assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4
+
+
+def test_use_depth_scheduler_settings(monkeypatch):
+    """The model installs `DepthScheduler` where the engine would build vLLM's default synchronous scheduler, keeps
+    a scheduler the user chose (and async scheduling), and refuses a bad setting in one line."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from hf_loops.serving.vllm_sched import DepthScheduler, use_depth_scheduler
+
+    class Custom(Scheduler):
+        pass
+
+    def config(cls=None, async_scheduling=False):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=cls, async_scheduling=async_scheduling))
+
+    for default in (None, "vllm.v1.core.sched.scheduler.Scheduler", Scheduler):
+        cfg = config(default)
+        assert use_depth_scheduler(cfg) and cfg.scheduler_config.scheduler_cls is DepthScheduler
+    for cls in (DepthScheduler, "hf_loops.serving.vllm_sched.DepthScheduler"):
+        assert use_depth_scheduler(config(cls))
+    for cfg in (config(Custom), config("my.module.Scheduler"), config(None, async_scheduling=True)):
+        before = cfg.scheduler_config.scheduler_cls
+        assert not use_depth_scheduler(cfg) and cfg.scheduler_config.scheduler_cls is before
+    monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", "0")
+    cfg = config()
+    assert not use_depth_scheduler(cfg) and cfg.scheduler_config.scheduler_cls is None
+    monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", "yes")
+    with pytest.raises(ValueError, match=r"^TaH2 in vLLM: HF_LOOPS_VLLM_DEPTH_SCHEDULING must be '0' or '1', got 'yes'$"):
+        use_depth_scheduler(config())
+
+
+def test_seeded_request_keeps_its_depths_within_the_step(references):
+    """A request with its own `seed` on CPU is never deferred (vLLM would rewind its CPU generator, which has no
+    offset): it samples, reproducibly, while an unseeded request in the same batch is deferred."""
+    from vllm.inputs import TokensPrompt
+
+    ref = references["duo_m3"]
+    llm = vllm.LLM(model=ref["model"], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                   max_num_batched_tokens=256, block_size=32, enable_prefix_caching=False, seed=0)
+    try:
+        seeded = vllm.SamplingParams(temperature=1.0, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]]
+        runs = []
+        for _ in range(2):
+            llm.apply_model(lambda model: model.depth_statistics(reset=True))
+            outs = llm.generate(prompts, [seeded, greedy()], use_tqdm=False)
+            (stats,) = llm.apply_model(lambda model: model.depth_statistics())
+            runs.append(([list(o.outputs[0].token_ids) for o in outs], stats["deferred"]))
+    finally:
+        close(llm)
+    (tokens, deferred), (again, deferred_again) = runs
+    assert tokens == again and deferred == deferred_again
+    assert tokens[1] == ref["tokens"][1]
+    assert deferred == decode_deferrals({"sequence_depths": ref["sequence_depths"][1:2]}, PROMPTS[1:2]) > 0
