@@ -4,7 +4,16 @@ Run in the vLLM venv (`make test-vllm` creates it); the models are built, and ou
 subprocess of the same Python (`HF_LOOPS_REFERENCE_PYTHON` names another one):
 
     .venv-vllm/bin/python bench/vllm_serving.py \
-        [--sizes small,100m] [--batches 1,8,32] [--new 16] [--rounds 5] [--threads 1] [--out bench/results]
+        [--workload serving|closed] [--sizes small,100m] [--batches 1,8,32] [--new 16] [--rounds 5] [--threads 1] \
+        [--out bench/results]
+
+`--workload serving` (the default; `cpu-vllm-serving.{json,md}`): per batch size B, 4 × B requests queued at once
+with max_num_seqs = B (freed slots refill), 65-token prompts whose first two 32-token blocks come from the prefix
+cache (warmed first), so every step runs one token per request; tokens/s over all steps of a round, `--rounds`
+rounds alternating the two engines, each listed; d̄ = mean executed depth of TaH2's generated tokens; depth-bound
+efficiency = TaH2 ÷ Qwen3 tokens/s × d̄. With `HF_LOOPS_VLLM_DEPTH_SCHEDULING=0` in the environment, TaH2 runs
+every depth within its step (the setting is recorded in the results). `--workload closed`, described below
+(`cpu-vllm.{json,md}`), is the closed-batch workload.
 
 Sizes (vocabulary 8,192: the embedded base's tokenizer): `small` = hidden 256 × 4 layers (per-op overhead dominates
 a decode step), `100m` = hidden 1024 × 8 layers, FFN 3072 (the HF bench's 100m backbone: matmuls dominate).
@@ -336,6 +345,7 @@ def write_serving(rows, args, loads, vllm_version):
     settings = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "vllm": vllm_version,
                 "torch": torch.__version__, "threads": args.threads, "cpu_count": os.cpu_count(),
                 "load_average": loads, "models": {size: SIZES[size] for size in args.sizes.split(",")},
+                "HF_LOOPS_VLLM_DEPTH_SCHEDULING": os.environ.get("HF_LOOPS_VLLM_DEPTH_SCHEDULING", "1"),
                 "workload": {"prompt": 2 * SERVE_BLOCK + 1, "block_size": SERVE_BLOCK, "new_tokens": args.new,
                              "rounds": args.rounds, "requests": "4 × B, max_num_seqs = B",
                              "timed": "every engine step; prompts from the prefix cache but their last token"}}

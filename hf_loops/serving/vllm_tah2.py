@@ -4,11 +4,14 @@ tested on), built from vLLM's own layers as its Qwen3 (`vllm_qwen3`: parallel li
 
 How one engine step runs (vLLM hands over one flat list of N tokens that mixes prefill chunks and decode tokens):
 
-* Depth 1 runs every token through the backbone with vLLM's own `Attention` layers (slot (0, l): stream 0): vLLM's
-  backend writes the K/V and runs its paged causal kernel, as for any model.
-* The decider picks the tokens that continue, across the whole flat batch; the updater builds their inputs; only
-  they run the shared weights again, at depth m, writing their K/V into slot (m−1, l) at their own position (the
-  same block table as stream 0: vLLM reserves M·L KV slots per token).
+* The first pass runs every token through the backbone; fresh tokens at depth 1 with vLLM's own `Attention`
+  layers (slot (0, l): stream 0: vLLM's backend writes the K/V and runs its paged causal kernel, as for any model),
+  decode tokens deferred from an earlier step (`vllm_sched`: depth as the unit of scheduling) at their next depth.
+* The decider picks the tokens that continue, across the whole flat batch; the updater builds their inputs. A
+  decode token that continues is deferred to the next step (its request emits nothing in this one) where the
+  engine's scheduler is a `vllm_sched.DepthScheduler`; the others (prefill chunks) run the shared weights again in
+  this step, at depth m, writing their K/V into slot (m−1, l) at their own position (the same block table as
+  stream 0: vLLM reserves M·L KV slots per token).
 * A per-slot marker (`executed depth` of the token that occupies a KV slot) says which deeper entries exist, so a
   depth-m query sees exactly the set its `iteration_attention` mode allows (duo: every earlier token's states of
   depth ≤ m that were executed; causal: earlier tokens' depth 1 and its own earlier depths; same_iter: depth m
