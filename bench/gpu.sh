@@ -27,3 +27,13 @@ EOF
 "$PY" -m bench.gpu_check --device cuda --dtype bfloat16 || echo "attention check reported mismatches"
 
 "$PY" -m bench all --device cuda --dtype bfloat16 "$@"
+
+# The vLLM serving rows (bench/vllm_serving.py, TaH2 against vLLM's Qwen3, depth scheduling on and off) where a
+# Python with vLLM's CUDA build and hf_loops installed is named by VLLM_PYTHON (writes
+# bench/results/cuda-vllm-serving*.{json,md}). Not yet run: no GPU was lent when it was written.
+if [ -n "${VLLM_PYTHON:-}" ] && "$VLLM_PYTHON" -c "import vllm" 2>/dev/null; then
+    "$VLLM_PYTHON" bench/vllm_serving.py --sizes 100m --batches 1,8,32 --rounds 3 || echo "vLLM rows failed"
+    mkdir -p bench/results/in-step
+    HF_LOOPS_VLLM_DEPTH_SCHEDULING=0 "$VLLM_PYTHON" bench/vllm_serving.py --sizes 100m --batches 1,8,32 --rounds 3 \
+        --out bench/results/in-step || echo "vLLM rows (in-step depths) failed"
+fi

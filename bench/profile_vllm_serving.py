@@ -61,7 +61,6 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     size, B = (argv[0] if argv else "100m"), int(argv[1]) if len(argv) > 1 else 8
     import vllm
-    from vllm.inputs import TokensPrompt
 
     instrument()
     rng = random.Random(0)
@@ -76,9 +75,7 @@ def main(argv=None) -> None:
             serving.serving_round(llm, prompts, warm)
             serving.serving_round(llm, prompts[:B], params)
             SECONDS.clear()
-            engine = llm.llm_engine
-            for i, ids in enumerate(prompts):
-                engine.add_request(f"p{i}", TokensPrompt(prompt_token_ids=ids), params)
+            engine = serving.queue(llm, prompts, params)
             steps, t = 0, time.perf_counter()
             while engine.has_unfinished_requests():
                 engine.step()

@@ -128,15 +128,21 @@ def flops_bound(config, stats: list[dict]) -> float:
     return total_std / total_tah2
 
 
-def engine_round(llm, prompts, params, looped: bool) -> tuple[float, float, list, dict | None]:
-    """One batch through the engine: seconds of the first step (prefill + first tokens), seconds of the decode steps,
-    the finished outputs, and (TaH2) the model's engine-wide depth statistics of the decode steps."""
+def queue(llm, prompts, params):
+    """Add every prompt to the engine (ids unique to this call, numbered in order); returns the engine."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     tag = f"{time.monotonic_ns()}"
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=ids), params)
+    return engine
+
+
+def engine_round(llm, prompts, params, looped: bool) -> tuple[float, float, list, dict | None]:
+    """One batch through the engine: seconds of the first step (prefill + first tokens), seconds of the decode steps,
+    the finished outputs, and (TaH2) the model's engine-wide depth statistics of the decode steps."""
+    engine = queue(llm, prompts, params)
     done = []
     t = time.perf_counter()
     done += [o for o in engine.step() if o.finished]
@@ -194,12 +200,7 @@ def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
 def serving_round(llm, prompts, params) -> tuple[int, float, list]:
     """All `prompts` queued at once; returns the tokens generated, the seconds of all engine steps, and the
     finished outputs."""
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    tag = f"{time.monotonic_ns()}"
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=ids), params)
+    engine = queue(llm, prompts, params)
     done = []
     t = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -213,11 +214,15 @@ def measure_serving(dirs, B: int, prompts, params, rounds: int) -> dict:
     executed depth d̄ of TaH2's generated tokens and the depth-bound efficiency ratio × d̄. The prompts' KV comes
     from the prefix cache (warmed before the rounds; 32-token blocks, prompts of 2 blocks + 1 token), so every
     engine step, also one that admits a request, runs one token per request: decode only, with refills."""
+    import torch
     import vllm
 
+    # on a GPU the two engines share the device's memory
+    memory = {"gpu_memory_utilization": 0.4} if torch.cuda.is_available() else {}
     llms = {name: vllm.LLM(model=d, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=B,
                            max_num_batched_tokens=max(2048, B * len(prompts[0])), block_size=SERVE_BLOCK,
-                           enable_prefix_caching=True, seed=0, kv_transfer_config=STATS) for name, d in dirs.items()}
+                           enable_prefix_caching=True, seed=0, kv_transfer_config=STATS, **memory)
+            for name, d in dirs.items()}
     warm = vllm.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for llm in llms.values():  # the prefix cache, and one round to warm up
         serving_round(llm, prompts, warm)
@@ -350,7 +355,8 @@ def write_serving(rows, args, loads, vllm_version):
                              "rounds": args.rounds, "requests": "4 × B, max_num_seqs = B",
                              "timed": "every engine step; prompts from the prefix cache but their last token"}}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cpu-vllm-serving.json"), "w") as f:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with open(os.path.join(args.out, f"{device}-vllm-serving.json"), "w") as f:
         json.dump({"settings": settings, "rows": rows}, f, indent=1)
     lines = ["| id | TaH2 ÷ Qwen3 decode tokens/s, median (rounds) | d̄ | depth-bound efficiency, median (rounds) | "
              "passes per TaH2 step | prompt tokens from the prefix cache | load |", "|---|---|---|---|---|---|---|"]
@@ -361,7 +367,7 @@ def write_serving(rows, args, loads, vllm_version):
     start, end = loads["start"], loads["end"]
     text = "\n".join(lines) + (f"\n\n{args.threads} thread(s); load average {start[0]:.1f} at start, {end[0]:.1f} "
                                f"at the end, on {os.cpu_count()} cores; {args.rounds} interleaved rounds\n")
-    with open(os.path.join(args.out, "cpu-vllm-serving.md"), "w") as f:
+    with open(os.path.join(args.out, f"{device}-vllm-serving.md"), "w") as f:
         f.write(text)
     print(text)
 
