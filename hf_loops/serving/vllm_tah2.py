@@ -237,10 +237,11 @@ class PassPlan:
     previous step) rewrite their own cached stream-0 keys/values there unchanged (`own_offsets`) and take their
     output from their stream's deep attention instead."""
 
-    def __init__(self, first: bool, groups: list, own_offsets: torch.Tensor | None = None):
+    def __init__(self, first: bool, groups: list, own_index: torch.Tensor | None = None,
+                 own_offsets: torch.Tensor | None = None):
         self.first = first
         self.groups = groups  # [(stream, index in the pass or None for all, DeepPlan or None in profiling runs)]
-        self.own_offsets = own_offsets
+        self.own_index, self.own_offsets = own_index, own_offsets  # the resumed tokens and their stream-0 K/V
 
 
 class _SelfAttention(Qwen3Attention):
@@ -253,7 +254,7 @@ class _SelfAttention(Qwen3Attention):
         q, k, v = self.qkv(x, positions)
         if plan.first:
             if plan.own_offsets is not None:  # resumed tokens leave stream 0's cache as it is
-                idx = torch.cat([index for _, index, _ in plan.groups])
+                idx = plan.own_index
                 own = layout.read(self.attn[0].kv_cache, plan.own_offsets).view(-1, 2, self.kv_size).to(k.dtype)
                 out = self.attn[0](q, k.index_copy(0, idx, own[:, 0]), v.index_copy(0, idx, own[:, 1]))
             else:
@@ -465,8 +466,9 @@ class TaH2ForCausalLMvLLM(nn.Module):
         while True:
             hidden[tokens, stream] = h.float()
             last = stream == M - 1
-            z = self._logits(h) if needs_logits_for_decisions(cfg) and not bool(last.all()) else None
-            if bool(last.all()):
+            all_last = bool(last.all())
+            z = self._logits(h) if needs_logits_for_decisions(cfg) and not all_last else None
+            if all_last:
                 g, cont = torch.zeros(tokens.shape[0], device=device), last.logical_not()
             else:
                 g = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens], h, z)).masked_fill(last, 0.0)
@@ -559,23 +561,21 @@ class TaH2ForCausalLMvLLM(nn.Module):
         deep attention of its tokens at a stream ≥ 1 (one `DeepPlan` per stream)."""
         first = k == 0
         streams = [s for s in stream.unique().tolist() if s > 0]
+        # each stream's tokens by their place in the pass (None: all of them)
+        local = [None if len(streams) == 1 and not first else (stream == s).nonzero().squeeze(1) for s in streams]
         if meta is None:  # profiling run: deep passes output zeros
-            return PassPlan(first, [(s, None if len(streams) == 1 and not first else (stream == s).nonzero()
-                                     .squeeze(1), None) for s in streams])
+            return PassPlan(first, [(s, index, None) for s, index in zip(streams, local, strict=True)])
         live = tokens < meta.num_actual_tokens
         self.runtime.marker[meta.slot_mapping[tokens[live]]] = (stream[live] + 1).to(torch.int8)
         self.depth_counts += torch.bincount(stream[live], minlength=self.M).cpu()
         self.step_counts[k] += 1
-        groups = []
-        for s in streams:
-            local = None if len(streams) == 1 and not first else (stream == s).nonzero().squeeze(1)
-            group = tokens if local is None else tokens[local]
-            groups.append((s, local, DeepPlan(self.config.iteration_attention, s, group, positions,
-                                              meta, self.runtime.marker, self.runtime.layout)))
-        own = None
-        if first and groups:
-            own = self.runtime.layout.flat_offsets(meta.slot_mapping[torch.cat([g[1] for g in groups])])
-        return PassPlan(first, groups, own)
+        groups = [(s, index, DeepPlan(self.config.iteration_attention, s, tokens if index is None else tokens[index],
+                                      positions, meta, self.runtime.marker, self.runtime.layout))
+                  for s, index in zip(streams, local, strict=True)]
+        if not (first and groups):
+            return PassPlan(first, groups)
+        own = torch.cat(local)  # the resumed tokens (in the first pass, their place is their flat index)
+        return PassPlan(first, groups, own, self.runtime.layout.flat_offsets(meta.slot_mapping[own]))
 
     def _step_metadata(self):
         """This step's attention metadata (None in profiling runs); binds the cache layout and marker on first use."""
