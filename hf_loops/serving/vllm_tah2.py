@@ -15,9 +15,10 @@ How one engine step runs (vLLM hands over one flat list of N tokens that mixes p
 * A per-slot marker (`executed depth` of the token that occupies a KV slot) says which deeper entries exist, so a
   depth-m query sees exactly the set its `iteration_attention` mode allows (duo: every earlier token's states of
   depth ≤ m that were executed; causal: earlier tokens' depth 1 and its own earlier depths; same_iter: depth m
-  only). A deeper pass plans once per step (`DeepPlan`: per request the key slots, the mask, the cache offsets)
-  and every layer gathers those keys/values from the paged caches and runs a masked sdpa (no paged kernel of
-  vLLM takes a per-token visibility mask over several streams).
+  only). A deeper pass plans once per step (`DeepPlan`: per request its cache blocks and the mask) and every
+  layer copies those blocks whole from each visible stream's paged cache and multiplies queries, keys and values
+  in the backend's own in-block layout, with one masked softmax over all of them (no paged kernel of vLLM takes a
+  per-token visibility mask over several streams).
 * `forward` keeps the per-depth log-probabilities of the rows vLLM samples (the decider's logits reused) in the HF
   model's `StoppingWeightedMixture` and returns, per token, its hidden states of every depth, their log-weights and
   its row index; `compute_logits` returns the mixture's log-probabilities log q of the sampled rows, which vLLM
@@ -36,8 +37,9 @@ What the deeper passes rely on in vLLM 0.32 (no platform kernel is called here):
   backend's strides (vLLM 0.32's `KVCacheLayout`, logical `[B, H, N, C]`), and the backend's own writer
   `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`: the deeper K/V are written with it, and
   `PagedLayout` learns once, by writing probe values with it, where it puts each (token, head, dim) of a block,
-  so the reads are plain torch gathers; the writer must map each element to one place (checked) and respect the
-  cache tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate writer, are
+  so the reads are plain torch block copies and strided views; the writer must map each element to one place and
+  lay a block's keys and values out as strided (token, head, dim) arrays (both checked) and respect the cache
+  tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate writer, are
   refused at the first step);
 * kv_cache_dtype 'auto' (exact probe values), pipeline parallel size 1, tensor parallel size 1 (refused otherwise,
   see `TENSOR_PARALLEL_REFUSAL`).
@@ -49,7 +51,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -117,8 +118,8 @@ class PagedLayout:
     offset o, kv head h, dim d) of one block of a layer's KV cache, as storage offsets of that cache tensor (all the
     model's caches have one shape and strides). Learned once by writing probe values with the writer into a
     one-block cache of the same logical shape (its layout is the backend's: the CPU backend stores the keys
-    transposed for its `vec` kernels), so the deeper passes read any slot with one flat gather per cache (keys and
-    values together)."""
+    transposed for its `vec` kernels), so the deeper passes read whole blocks and view their keys and values as
+    per-(block, head) matrices, and the resumed tokens' own stream-0 entries with one flat gather."""
 
     def __init__(self, attn, cache: torch.Tensor):
         impl = attn.impl
@@ -154,12 +155,40 @@ class PagedLayout:
             index.append(flat)
         # logical in-block position (h', n', c') of every (token offset, k/v, head, dim) → storage offset in `cache`
         logical = torch.stack(index, dim=1)  # (bs, 2, H, D), flat indices of the contiguous (H, bs, C) probe block
+        self.matrices = [self._affine(logical[:, w], bs, H, D, type(impl).__name__) for w in (0, 1)]
+        self.block_numel = H * bs * C
         stride = cache.stride()
         h_, rest = logical // (bs * C), logical % (bs * C)
         self.kv_index = (h_ * stride[1] + (rest // C) * stride[2] + (rest % C) * stride[3]).to(device)
         self.block_stride, self.block_size = stride[0], bs
+        self.kv_heads, self.head_size = H, D
         # every storage element of one cache tensor, as a flat view (with the cache's own storage offset)
         self.span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, stride, strict=True))
+
+    @staticmethod
+    def _affine(index: torch.Tensor, bs: int, H: int, D: int, backend: str) -> tuple[int, int, int, int]:
+        """(offset, head stride, token stride, dim stride) of the keys or values in a contiguous block, where
+        `index` (bs, H, D) is an affine map of (token offset, head, dim): the deeper passes then read whole blocks
+        and multiply them in place as per-(block, head) matrices."""
+        offset = int(index[0, 0, 0])
+        strides = [int(index[min(1, bs - 1), 0, 0]) - offset, int(index[0, min(1, H - 1), 0]) - offset,
+                   int(index[0, 0, min(1, D - 1)]) - offset]
+        t, h, d = (torch.arange(n).view(*[-1 if i == j else 1 for j in range(3)]) for i, n in enumerate((bs, H, D)))
+        if not torch.equal(index, offset + t * strides[0] + h * strides[1] + d * strides[2]):
+            raise ValueError(f"TaH2 in vLLM: unsupported KV cache layout of {backend} (keys or values of a block "
+                             "are not a strided (token, head, dim) array)")
+        return offset, strides[1], strides[0], strides[2]
+
+    def block_matrices(self, blocks: torch.Tensor, which: int, shape: tuple) -> torch.Tensor:
+        """Keys (which=0, as (…, D, bs) per block and head) or values (which=1, as (…, bs, D)) of `blocks`, a
+        contiguous copy of whole cache blocks shaped `shape` + (block,), as a strided view (no copy)."""
+        offset, head, token, dim = self.matrices[which]
+        lead = [self.block_numel]
+        for n in reversed(shape[1:]):
+            lead.insert(0, lead[0] * n)
+        H, bs, D = self.kv_heads, self.block_size, self.head_size
+        size, stride = ((H, D, bs), (head, dim, token)) if which == 0 else ((H, bs, D), (head, token, dim))
+        return blocks.as_strided((*shape, *size), (*lead, *stride), blocks.storage_offset() + offset)
 
     def flat_offsets(self, slots: torch.Tensor) -> torch.Tensor:
         """(n,) slots → (n, 2, H, D) offsets into a cache's flat view of their keys and values: the same for every
@@ -202,16 +231,17 @@ class DeepPlan:
         rank = torch.arange(n, device=device) - first[group]
         self.q_slot[group, rank] = torch.arange(n, device=device)
         self.q_real[group, rank] = True
-        key_pos = torch.arange(P, device=device)
-        table = meta.block_table.index_select(0, req_ids)
         block_size = layout.block_size
-        self.key_slots = (table.gather(1, (key_pos // block_size).expand(G, P)) * block_size
-                          + key_pos % block_size)  # (G, P)
+        nb = -(-P // block_size)  # the blocks that hold positions 0..P-1; their keys are read whole
+        P = nb * block_size
+        key_pos = torch.arange(P, device=device)
+        table = meta.block_table.index_select(0, req_ids)[:, :nb]
+        self.key_slots = (table.repeat_interleave(block_size, 1) * block_size + key_pos % block_size)  # (G, P)
         depth = marker[self.key_slots].long()  # executed depth of the token in each key slot
         qp = q_pos[self.q_slot][:, :, None]  # (G, n, 1)
         kp = key_pos.view(1, 1, P)
         earlier = (kp <= qp) & (kp < meta.seq_lens.index_select(0, req_ids).view(G, 1, 1).to(device))
-        self.own_position = (kp == qp)[:, None]  # (G, 1, n, P)
+        self.own_position = (kp == qp)[:, None, :, None]  # (G, 1, n, 1, P)
         masks = []
         for s in self.streams:
             exists = depth[:, None, :] > s
@@ -219,9 +249,11 @@ class DeepPlan:
                 masks.append(earlier & exists & (kp == qp))
             else:
                 masks.append(earlier & exists)
-        self.mask = torch.cat(masks, dim=-1)[:, None]  # (G, 1, n, S·P)
-        # flat offsets of the keys/values read (G·P slots); the tokens' own slots, where their new ones are written
-        self.read_offsets = layout.flat_offsets(self.key_slots.reshape(-1))
+        # additive mask over (query, stream, block, token offset), laid out as the scores are: (G, 1, n, 1, S·P)
+        visible = torch.cat(masks, dim=-1)[:, None, :, None]
+        self.mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+        # the blocks read (G·nb, for every visible stream) and the tokens' own slots, where their new K/V go
+        self.blocks, self.shape = table.reshape(-1), (G, nb)
         self.write_slots = meta.slot_mapping[tokens]
 
 
@@ -274,17 +306,25 @@ class _SelfAttention(Qwen3Attention):
             return torch.zeros(n, H * D, dtype=q.dtype, device=q.device)
         attn = self.attn[stream]
         attn.impl.do_kv_cache_update(attn, k.view(n, Hkv, D), v.view(n, Hkv, D), attn.kv_cache, plan.write_slots)
-        G, P = plan.key_slots.shape
-        S = len(plan.streams)
-        kv = torch.empty(S, G * P * 2 * Hkv * D, dtype=self.attn[0].kv_cache.dtype, device=q.device)
-        for i, s in enumerate(plan.streams):  # one gather per visible stream: its keys and values together
-            layout.read(self.attn[s].kv_cache, plan.read_offsets, out=kv[i])
-        kv = kv.view(S, G, P, 2, Hkv, D).permute(3, 1, 4, 0, 2, 5).to(q.dtype)  # (2, G, Hkv, S, P, D)
-        K, V = kv.reshape(2, G, Hkv, S * P, D).unbind(0)
-        q = q.view(n, H, D)
+        G, nb = plan.shape
+        r, n_max = H // Hkv, plan.q_slot.shape[1]
+        q = (q.view(n, H, D) * self.scaling).float()
         Q = q[:, None] if plan.single_query else q[plan.q_slot]  # (G, n_max, H, D)
-        out = F.scaled_dot_product_attention(Q.transpose(1, 2), K, V, attn_mask=plan.mask, scale=self.scaling,
-                                             enable_gqa=H != Hkv).transpose(1, 2)
+        Q = Q.view(G, n_max, Hkv, r, D).transpose(1, 2).reshape(G, 1, Hkv, n_max * r, D)
+        # per visible stream: its blocks copied whole (contiguous rows), keys and values multiplied in the
+        # backend's own in-block layout; one softmax over every (stream, block, offset) a query may see
+        blocks, scores = [], []
+        for s in plan.streams:
+            b = self.attn[s].kv_cache.index_select(0, plan.blocks).float()
+            blocks.append(b)
+            scores.append(torch.matmul(Q, layout.block_matrices(b, 0, plan.shape)))  # (G, nb, Hkv, n·r, bs)
+        S, bs = len(scores), layout.block_size
+        scores = torch.stack(scores, 3).permute(0, 2, 4, 3, 1, 5)  # (G, Hkv, n·r, S, nb, bs)
+        scores = scores.reshape(G, Hkv, n_max, r, S * nb * bs) + plan.mask
+        p = torch.softmax(scores, dim=-1).view(G, Hkv, n_max * r, S, nb, bs).permute(3, 0, 4, 1, 2, 5)
+        out = sum(torch.matmul(p[i], layout.block_matrices(b, 1, plan.shape)).sum(1)  # (G, Hkv, n·r, D)
+                  for i, b in enumerate(blocks))
+        out = out.view(G, Hkv, n_max, r, D).transpose(1, 2).reshape(G, n_max, H, D).to(k.dtype)
         out = out[:, 0] if plan.single_query else out[plan.q_real]  # (n, H, D) in token order
         return out.reshape(n, H * D)
 
@@ -470,8 +510,14 @@ class TaH2ForCausalLMvLLM(nn.Module):
             z = self._logits(h) if needs_logits_for_decisions(cfg) and not all_last else None
             if all_last:
                 g, cont = torch.zeros(tokens.shape[0], device=device), last.logical_not()
-            else:
-                g = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens], h, z)).masked_fill(last, 0.0)
+            else:  # the decider runs on the tokens that may continue (a resumed token at depth M may not)
+                run = (~last).nonzero().squeeze(1) if bool(last.any()) else None
+                g = torch.zeros(tokens.shape[0], device=device)
+                if run is None:
+                    g = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens], h, z))
+                else:
+                    g[run] = torch.sigmoid(continue_logit(cfg, self.decider, e[tokens[run]], h[run],
+                                                          None if z is None else z[run]))
                 cont = continue_decisions(cfg, g, cfg.exit_threshold) & ~last
             w = mixture.log_weights_at((torch.zeros_like(tokens), tokens), g, cont)
             log_w[tokens, stream] = w

@@ -351,7 +351,7 @@ def test_negative_control_hidden_deeper_keys(references, monkeypatch):
         original(self, *args, **kwargs)
         P = self.key_slots.shape[1]
         deeper = self.mask[..., P:]  # every stream above 0: keep only the query's own position
-        deeper &= self.own_position.repeat(1, 1, 1, deeper.shape[-1] // P)
+        deeper.masked_fill_(~self.own_position.repeat(1, 1, 1, 1, deeper.shape[-1] // P), float("-inf"))
 
     monkeypatch.setattr(vllm_tah2.DeepPlan, "__init__", hide_deeper)
     ref = references["duo_m2"]
