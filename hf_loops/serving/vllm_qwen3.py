@@ -55,6 +55,36 @@ def check_engine(vllm_config, name: str, tensor_parallel_refusal: str | None = N
         raise ValueError(f"{name} in vLLM: tensor_parallel_size={tp} is not supported: {tensor_parallel_refusal}")
     if vllm_config.cache_config.cache_dtype != "auto":
         raise ValueError(f"{name} in vLLM: kv_cache_dtype must be 'auto', got {vllm_config.cache_config.cache_dtype!r}")
+    check_int8_activations(vllm_config, name)
+
+
+def int8_activation_schemes(quant_config) -> bool:
+    """Does a compressed-tensors config quantize some layer's weights *and* inputs to int8 (W8A8 int8)?"""
+    for scheme in getattr(quant_config, "target_scheme_map", {}).values():
+        weights, inputs = scheme.get("weights"), scheme.get("input_activations")
+        if weights is not None and inputs is not None and weights.num_bits == inputs.num_bits == 8 \
+                and str(getattr(weights.type, "value", weights.type)) == "int":
+            return True
+    return False
+
+
+def check_int8_activations(vllm_config, name: str, amx: bool | None = None) -> None:
+    """Refuse, in one line, a W8A8 int8 checkpoint served in float32 on a CPU with AMX: there vLLM 0.32 runs its int8
+    linear layers with its AMX kernel (`check_cpu_sgl_kernel`), which takes only bf16/fp16 activations and fails at
+    the first step ("expect A to be bfloat16 or half"), for its own Qwen3 as for these models. `amx`: whether this
+    CPU has AMX tiles (None: ask torch)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    quant = getattr(vllm_config, "quant_config", None)
+    if quant is None or vllm_config.model_config.dtype != torch.float32 or not current_platform.is_cpu():
+        return
+    if amx is None:
+        amx = torch.cpu._is_amx_tile_supported()
+    if amx and int8_activation_schemes(quant):
+        raise ValueError(f"{name} in vLLM: a W8A8 int8 checkpoint needs dtype='bfloat16' or 'float16' on this CPU "
+                         "(AMX): vLLM runs its int8 linear layers there with its AMX kernel, which takes bf16/fp16 "
+                         "activations, not float32")
 
 
 def check_heads(config, name: str) -> None:

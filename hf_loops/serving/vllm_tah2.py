@@ -37,9 +37,10 @@ What the deeper passes rely on in vLLM 0.32 (no platform kernel is called here):
   backend's strides (vLLM 0.32's `KVCacheLayout`, logical `[B, H, N, C]`), and the backend's own writer
   `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`: the deeper K/V are written with it, and
   `PagedLayout` learns once, by writing probe values with it, where it puts each (token, head, dim) of a block,
-  so the reads are plain torch block copies and strided views; the writer must map each element to one place and
-  lay a block's keys and values out as strided (token, head, dim) arrays (both checked) and respect the cache
-  tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate writer, are
+  so the reads are plain torch block copies viewed as strided matrices (where the in-block layout is a strided
+  (token, head, dim) array, as the CPU backend's `vec` layouts) or gathered by in-block index (any other layout,
+  e.g. the CPU backend's VNNI-packed `amx` bf16 blocks); the writer must map each element to one place (checked)
+  and respect the cache tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate writer, are
   refused at the first step);
 * kv_cache_dtype 'auto' (exact probe values), pipeline parallel size 1, tensor parallel size 1 (refused otherwise,
   see `TENSOR_PARALLEL_REFUSAL`).
@@ -155,7 +156,10 @@ class PagedLayout:
             index.append(flat)
         # logical in-block position (h', n', c') of every (token offset, k/v, head, dim) → storage offset in `cache`
         logical = torch.stack(index, dim=1)  # (bs, 2, H, D), flat indices of the contiguous (H, bs, C) probe block
-        self.matrices = [self._affine(logical[:, w], bs, H, D, type(impl).__name__) for w in (0, 1)]
+        self.matrices = [self._affine(logical[:, w], bs, H, D) for w in (0, 1)]
+        # where no strided view exists: each block's keys as (H, D, bs), values as (H, bs, D), by in-block index
+        self.in_block = [logical[:, 0].permute(1, 2, 0).reshape(-1).to(device),
+                         logical[:, 1].permute(1, 0, 2).reshape(-1).to(device)]
         self.block_numel = H * bs * C
         stride = cache.stride()
         h_, rest = logical // (bs * C), logical % (bs * C)
@@ -166,28 +170,33 @@ class PagedLayout:
         self.span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, stride, strict=True))
 
     @staticmethod
-    def _affine(index: torch.Tensor, bs: int, H: int, D: int, backend: str) -> tuple[int, int, int, int]:
+    def _affine(index: torch.Tensor, bs: int, H: int, D: int) -> tuple[int, int, int, int] | None:
         """(offset, head stride, token stride, dim stride) of the keys or values in a contiguous block, where
-        `index` (bs, H, D) is an affine map of (token offset, head, dim): the deeper passes then read whole blocks
-        and multiply them in place as per-(block, head) matrices."""
+        `index` (bs, H, D) is an affine map of (token offset, head, dim) (the CPU backend's `vec` layouts): the deeper
+        passes then multiply whole blocks in place as per-(block, head) matrices. None for any other layout (e.g.
+        the CPU backend's `amx` bf16 blocks, VNNI-packed: pairs of dims or of tokens interleaved)."""
         offset = int(index[0, 0, 0])
         strides = [int(index[min(1, bs - 1), 0, 0]) - offset, int(index[0, min(1, H - 1), 0]) - offset,
                    int(index[0, 0, min(1, D - 1)]) - offset]
         t, h, d = (torch.arange(n).view(*[-1 if i == j else 1 for j in range(3)]) for i, n in enumerate((bs, H, D)))
         if not torch.equal(index, offset + t * strides[0] + h * strides[1] + d * strides[2]):
-            raise ValueError(f"TaH2 in vLLM: unsupported KV cache layout of {backend} (keys or values of a block "
-                             "are not a strided (token, head, dim) array)")
+            return None
         return offset, strides[1], strides[0], strides[2]
 
     def block_matrices(self, blocks: torch.Tensor, which: int, shape: tuple) -> torch.Tensor:
         """Keys (which=0, as (…, D, bs) per block and head) or values (which=1, as (…, bs, D)) of `blocks`, a
-        contiguous copy of whole cache blocks shaped `shape` + (block,), as a strided view (no copy)."""
+        contiguous copy of whole cache blocks shaped `shape` + (block,): a strided view where the layout is one (no
+        copy), otherwise gathered by the block's own index (`in_block`)."""
+        H, bs, D = self.kv_heads, self.block_size, self.head_size
+        size = (H, D, bs) if which == 0 else (H, bs, D)
+        if self.matrices[which] is None:
+            flat = blocks.reshape(-1, self.block_numel)
+            return flat.index_select(1, self.in_block[which]).view(*shape, *size)
         offset, head, token, dim = self.matrices[which]
         lead = [self.block_numel]
         for n in reversed(shape[1:]):
             lead.insert(0, lead[0] * n)
-        H, bs, D = self.kv_heads, self.block_size, self.head_size
-        size, stride = ((H, D, bs), (head, dim, token)) if which == 0 else ((H, bs, D), (head, token, dim))
+        stride = (head, dim, token) if which == 0 else (head, token, dim)
         return blocks.as_strided((*shape, *size), (*lead, *stride), blocks.storage_offset() + offset)
 
     def flat_offsets(self, slots: torch.Tensor) -> torch.Tensor:
