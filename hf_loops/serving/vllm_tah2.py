@@ -168,6 +168,39 @@ class PagedLayout:
         self.kv_heads, self.head_size = H, D
         # every storage element of one cache tensor, as a flat view (with the cache's own storage offset)
         self.span = 1 + sum((n - 1) * s for n, s in zip(cache.shape, stride, strict=True))
+        self.key_rows = self._key_rows(logical[:, 0], cache, bs, H, D, C)
+
+    def _key_rows(self, index: torch.Tensor, cache: torch.Tensor, bs: int, H: int, D: int, C: int):
+        """Where a block's keys of every head fill one contiguous run of bs·D elements, at the same place in each
+        head's part of a block stored contiguously (the CPU backend's `vec` layouts: keys transposed, then values):
+        (offset of the run in the block, its (token, dim) strides); the deeper passes then copy keys alone where they
+        need no values (`key_blocks`). None otherwise."""
+        if self.matrices[0] is None or cache.stride()[1:] != (bs * C, C, 1):
+            return None
+        offset, head, token, dim = self.matrices[0]
+        first = index[:, 0]  # head 0's keys (the others lie at the same place of their part: affine, head = bs·C)
+        if head != bs * C or int(first.min()) != offset or \
+                sorted((first - offset).reshape(-1).tolist()) != list(range(bs * D)):
+            return None
+        return offset, token, dim
+
+    def key_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
+        """A contiguous (len(blocks), H, bs·D) copy of the keys alone of `blocks` (None: not this layout)."""
+        if self.key_rows is None:
+            return None
+        H, bs, D = self.kv_heads, self.block_size, self.head_size
+        keys = cache.as_strided((cache.shape[0], H, bs * D), (cache.stride(0), cache.stride(1), 1),
+                                cache.storage_offset() + self.key_rows[0])
+        return keys.index_select(0, blocks)
+
+    def key_matrices(self, keys: torch.Tensor, shape: tuple) -> torch.Tensor:
+        """`key_blocks`' keys as (…, H, D, bs) per block and head, shaped `shape` + (…): a strided view."""
+        _, token, dim = self.key_rows
+        H, bs, D = self.kv_heads, self.block_size, self.head_size
+        lead = [H * bs * D]
+        for n in reversed(shape[1:]):
+            lead.insert(0, lead[0] * n)
+        return keys.as_strided((*shape, H, D, bs), (*lead, bs * D, dim, token), keys.storage_offset())
 
     @staticmethod
     def _affine(index: torch.Tensor, bs: int, H: int, D: int) -> tuple[int, int, int, int] | None:
@@ -275,8 +308,9 @@ class PassPlan:
     """One backbone pass: its tokens (flat indices of the step), and per stream ≥ 1 that some of them run, their
     place in the pass and their `DeepPlan`. The step's first pass (`first`) carries every scheduled token and runs
     vLLM's own attention for stream 0; the tokens of it that resume a deeper depth (decode tokens deferred from the
-    previous step) rewrite their own cached stream-0 keys/values there unchanged (`own_offsets`) and take their
-    output from their stream's deep attention instead."""
+    previous step) rewrite their own cached stream-0 keys/values there unchanged (`own_offsets`), so that vLLM's
+    output for them is their query's attention over stream 0, which their stream's deep attention then merges with
+    the deeper streams' keys."""
 
     def __init__(self, first: bool, groups: list, own_index: torch.Tensor | None = None,
                  own_offsets: torch.Tensor | None = None):
@@ -305,11 +339,15 @@ class _SelfAttention(Qwen3Attention):
         for stream, index, deep in plan.groups:
             if index is None:
                 out = self._deep_attention(q, k, v, stream, deep, layout)
-            else:
-                out[index] = self._deep_attention(q[index], k[index], v[index], stream, deep, layout)
+            else:  # in the first pass, vLLM's stream-0 output of these tokens is merged, not recomputed
+                out[index] = self._deep_attention(q[index], k[index], v[index], stream, deep, layout,
+                                                  out[index] if plan.first else None)
         return self.output(out)
 
-    def _deep_attention(self, q, k, v, stream, plan: DeepPlan | None, layout):
+    def _deep_attention(self, q, k, v, stream, plan: DeepPlan | None, layout, stream0=None):
+        """Attention of queries at depth `stream` + 1 over every key their mode lets them see, in the paged caches.
+        `stream0` (n, H·D): vLLM's own attention output of these queries over stream 0 (the first pass, where stream
+        0 is visible), reused: stream 0 then contributes Σ softmax weight × that output, and only its keys are read."""
         n, H, Hkv, D = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if plan is None:  # profiling / warm-up run: no cache bound yet
             return torch.zeros(n, H * D, dtype=q.dtype, device=q.device)
@@ -320,19 +358,32 @@ class _SelfAttention(Qwen3Attention):
         q = (q.view(n, H, D) * self.scaling).float()
         Q = q[:, None] if plan.single_query else q[plan.q_slot]  # (G, n_max, H, D)
         Q = Q.view(G, n_max, Hkv, r, D).transpose(1, 2).reshape(G, 1, Hkv, n_max * r, D)
-        # per visible stream: its blocks copied whole (contiguous rows), keys and values multiplied in the
-        # backend's own in-block layout; one softmax over every (stream, block, offset) a query may see
+        reuse = stream0 is not None and plan.streams[0] == 0
+        # per visible stream: its blocks copied whole (contiguous rows; stream 0's keys alone where vLLM's output is
+        # reused), keys and values multiplied in the backend's own in-block layout; one softmax over every (stream,
+        # block, offset) a query may see
         blocks, scores = [], []
         for s in plan.streams:
-            b = self.attn[s].kv_cache.index_select(0, plan.blocks).float()
-            blocks.append(b)
-            scores.append(torch.matmul(Q, layout.block_matrices(b, 0, plan.shape)))  # (G, nb, Hkv, n·r, bs)
+            keys = layout.key_blocks(self.attn[0].kv_cache, plan.blocks) if reuse and s == 0 else None
+            if keys is not None:
+                blocks.append(None)
+                K = layout.key_matrices(keys.float(), plan.shape)
+            else:
+                b = self.attn[s].kv_cache.index_select(0, plan.blocks).float()
+                blocks.append(None if reuse and s == 0 else b)
+                K = layout.block_matrices(b, 0, plan.shape)
+            scores.append(torch.matmul(Q, K))  # (G, nb, Hkv, n·r, bs)
         S, bs = len(scores), layout.block_size
         scores = torch.stack(scores, 3).permute(0, 2, 4, 3, 1, 5)  # (G, Hkv, n·r, S, nb, bs)
         scores = scores.reshape(G, Hkv, n_max, r, S * nb * bs) + plan.mask
         p = torch.softmax(scores, dim=-1).view(G, Hkv, n_max * r, S, nb, bs).permute(3, 0, 4, 1, 2, 5)
         out = sum(torch.matmul(p[i], layout.block_matrices(b, 1, plan.shape)).sum(1)  # (G, Hkv, n·r, D)
-                  for i, b in enumerate(blocks))
+                  for i, b in enumerate(blocks) if b is not None)
+        if reuse:  # stream 0's share of each query's softmax mass, times vLLM's stream-0 output
+            base = stream0.view(n, H, D).float()
+            base = base[:, None] if plan.single_query else base[plan.q_slot]
+            base = base.view(G, n_max, Hkv, r, D).transpose(1, 2).reshape(G, Hkv, n_max * r, D)
+            out = out + p[0].sum(dim=(1, 4))[..., None] * base
         out = out.view(G, Hkv, n_max, r, D).transpose(1, 2).reshape(G, n_max, H, D).to(k.dtype)
         out = out[:, 0] if plan.single_query else out[plan.q_real]  # (n, H, D) in token order
         return out.reshape(n, H * D)

@@ -702,6 +702,11 @@ def test_paged_layout_block_matrices_over_layouts(seed):
         for t in range(bs):
             i = int((slots == b * bs + t).nonzero())
             assert torch.equal(K[g, j, :, :, t], key[i]) and torch.equal(V[g, j, :, t], value[i])
+    # keys alone (stream 0 where vLLM's output is reused): where each head's keys are one run (the CPU layout)
+    keys = layout.key_blocks(cache, blocks_read)
+    assert (keys is not None) == (kind == "cpu")
+    if keys is not None:
+        assert keys.shape == (6, H, bs * D) and torch.equal(layout.key_matrices(keys, (2, 3)), K)
     # the flat reads (the resumed tokens' own stream-0 entries) agree
     read = layout.read(cache, layout.flat_offsets(slots)).view(-1, 2, H, D)
     assert torch.equal(read[:, 0], key) and torch.equal(read[:, 1], value)
