@@ -11,7 +11,11 @@ subprocess of the same Python (`HF_LOOPS_REFERENCE_PYTHON` names another one):
 with max_num_seqs = B (freed slots refill), 65-token prompts whose first two 32-token blocks come from the prefix
 cache (warmed first), so every step runs one token per request; tokens/s over all steps of a round, `--rounds`
 rounds alternating the two engines, each listed; d̄ = mean executed depth of TaH2's generated tokens; depth-bound
-efficiency = TaH2 ÷ Qwen3 tokens/s × d̄. With `HF_LOOPS_VLLM_DEPTH_SCHEDULING=0` in the environment, TaH2 runs
+efficiency = TaH2 ÷ Qwen3 tokens/s × d̄, which is exactly fill × step cost ratio: fill = Qwen3's engine steps × d̄ ÷
+TaH2's (how full of depths TaH2's steps are, against Qwen3's steps full of tokens: below 1 once the queue is empty and
+the last requests drain, each at its own depths) and step cost ratio = Qwen3's ms per step ÷ TaH2's (what one TaH2
+step costs beyond a Qwen3 step: decider, updater, deeper attention). With `HF_LOOPS_VLLM_DEPTH_SCHEDULING=0` in the
+environment, TaH2 runs
 every depth within its step (the setting is recorded in the results). `--workload closed`, described below
 (`cpu-vllm.{json,md}`), is the closed-batch workload.
 
@@ -197,16 +201,17 @@ def measure(llms, dirs, config, prompts, params, args, root, kv) -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def serving_round(llm, prompts, params) -> tuple[int, float, list]:
-    """All `prompts` queued at once; returns the tokens generated, the seconds of all engine steps, and the
-    finished outputs."""
+def serving_round(llm, prompts, params) -> tuple[int, float, list, int]:
+    """All `prompts` queued at once; returns the tokens generated, the seconds of all engine steps, the finished
+    outputs and the number of engine steps."""
     engine = queue(llm, prompts, params)
-    done = []
+    done, steps = [], 0
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
+        steps += 1
     seconds = time.perf_counter() - t
-    return sum(len(o.outputs[0].token_ids) for o in done), seconds, done
+    return sum(len(o.outputs[0].token_ids) for o in done), seconds, done, steps
 
 
 def measure_serving(dirs, B: int, prompts, params, rounds: int) -> dict:
@@ -229,11 +234,14 @@ def measure_serving(dirs, B: int, prompts, params, rounds: int) -> dict:
         serving_round(llm, prompts[:B], params)
     llms["tah2"].apply_model(lambda model: model.depth_statistics(reset=True))
     tps = {name: [] for name in llms}
+    steps, step_ms = {name: [] for name in llms}, {name: [] for name in llms}
     counts, cached, prompt_tokens = [0, 0], 0, 0
     for _ in range(rounds):
         for name, llm in llms.items():
-            tokens, seconds, outs = serving_round(llm, prompts, params)
+            tokens, seconds, outs, n = serving_round(llm, prompts, params)
             tps[name].append(tokens / seconds)
+            steps[name].append(n)
+            step_ms[name].append(1e3 * seconds / n)
             cached += sum(o.num_cached_tokens or 0 for o in outs)
             prompt_tokens += sum(len(o.prompt_token_ids) for o in outs)
             if name == "tah2":
@@ -245,10 +253,17 @@ def measure_serving(dirs, B: int, prompts, params, rounds: int) -> dict:
     ratios = [a / b for a, b in zip(tps["tah2"], tps["qwen3"], strict=True)]
     mean_depth = sum(counts) / counts[0]
     effs = [r * mean_depth for r in ratios]
-    steps = engine_stats["steps_per_pass"]
+    # efficiency = fill × step cost ratio: fill = Qwen3's steps × d̄ ÷ TaH2's steps (1.0: TaH2's steps as full of
+    # depths as Qwen3's of tokens; below 1 while the last requests drain with uneven depths), step cost ratio = Qwen3's
+    # ms per step ÷ TaH2's
+    fills = [q * mean_depth / t for q, t in zip(steps["qwen3"], steps["tah2"], strict=True)]
+    step_ratios = [q / t for q, t in zip(step_ms["qwen3"], step_ms["tah2"], strict=True)]
+    passes = engine_stats["steps_per_pass"]
     return {"batch": B, "requests": len(prompts), "max_num_seqs": B, "decode_tokens_per_s": tps, "ratios": ratios,
             "ratio": statistics.median(ratios), "mean_depth": mean_depth, "efficiencies": effs,
-            "efficiency": statistics.median(effs), "passes_per_step": sum(steps) / steps[0],
+            "efficiency": statistics.median(effs), "engine_steps": steps, "ms_per_step": step_ms,
+            "fills": fills, "fill": statistics.median(fills), "step_cost_ratios": step_ratios,
+            "step_cost_ratio": statistics.median(step_ratios), "passes_per_step": sum(passes) / passes[0],
             "deferred": engine_stats["deferred"], "prompt_cache_hit": cached / prompt_tokens,
             "load_average": os.getloadavg()}
 
@@ -359,14 +374,21 @@ def write_serving(rows, args, loads, vllm_version):
     with open(os.path.join(args.out, f"{device}-vllm-serving.json"), "w") as f:
         json.dump({"settings": settings, "rows": rows}, f, indent=1)
     lines = ["| id | TaH2 ÷ Qwen3 decode tokens/s, median (rounds) | d̄ | depth-bound efficiency, median (rounds) | "
-             "passes per TaH2 step | prompt tokens from the prefix cache | load |", "|---|---|---|---|---|---|---|"]
+             "= fill × step cost ratio, medians | engine steps Qwen3 / TaH2 | ms per step Qwen3 / TaH2 | "
+             "passes per TaH2 step | prompt tokens from the prefix cache | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        steps, ms = r["engine_steps"], r["ms_per_step"]
         lines.append(f"| {r['row']} | {r['ratio']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) | "
                      f"{r['mean_depth']:.3f} | {r['efficiency']:.3f} ({', '.join(f'{x:.3f}' for x in r['efficiencies'])})"
-                     f" | {r['passes_per_step']:.2f} | {100 * r['prompt_cache_hit']:.1f} % | {r['load_average'][0]:.1f} |")
+                     f" | {r['fill']:.3f} × {r['step_cost_ratio']:.3f} | {steps['qwen3'][0]} / {steps['tah2'][0]} | "
+                     f"{statistics.median(ms['qwen3']):.1f} / {statistics.median(ms['tah2']):.1f} | "
+                     f"{r['passes_per_step']:.2f} | {100 * r['prompt_cache_hit']:.1f} % | {r['load_average'][0]:.1f} |")
     start, end = loads["start"], loads["end"]
     text = "\n".join(lines) + (f"\n\n{args.threads} thread(s); load average {start[0]:.1f} at start, {end[0]:.1f} "
-                               f"at the end, on {os.cpu_count()} cores; {args.rounds} interleaved rounds\n")
+                               f"at the end, on {os.cpu_count()} cores; {args.rounds} interleaved rounds. fill = "
+                               "Qwen3's engine steps × d̄ ÷ TaH2's (below 1 while the last requests drain with uneven "
+                               "depths); step cost ratio = Qwen3's ms per step ÷ TaH2's\n")
     with open(os.path.join(args.out, f"{device}-vllm-serving.md"), "w") as f:
         f.write(text)
     print(text)
