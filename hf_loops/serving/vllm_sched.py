@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
-__all__ = ["DepthScheduler", "PendingToken", "defer", "pending", "schedulers_built", "use_depth_scheduler"]
+__all__ = ["DepthScheduler", "PendingToken", "defer", "defer_pays", "depth_scheduling_mode", "pending",
+           "schedulers_built", "use_depth_scheduler"]
 
 _LOCK = threading.Lock()
 _BUILT = [0]  # DepthSchedulers built in this process so far
@@ -68,15 +69,33 @@ def _drop(request_id: str) -> None:
         _DEFERRED.discard(request_id)
 
 
-ENV = "HF_LOOPS_VLLM_DEPTH_SCHEDULING"  # "0": every depth of a token runs within its step (the engine's scheduler)
+# "1" (default): a continuing decode token's next depth goes to the next step when that saves a weight pass (see
+# `defer_pays`); "always": whenever it continues; "0": every depth of a token runs within its step
+ENV = "HF_LOOPS_VLLM_DEPTH_SCHEDULING"
+MODES = ("0", "1", "always")
+
+
+def depth_scheduling_mode() -> str:
+    """The setting of `HF_LOOPS_VLLM_DEPTH_SCHEDULING` ('1' when unset), checked."""
+    value = os.environ.get(ENV, "1")
+    if value not in MODES:
+        raise ValueError(f"TaH2 in vLLM: {ENV} must be '0', '1' or 'always', got {value!r}")
+    return value
+
+
+def defer_pays(stopped: bool, inline: bool) -> bool:
+    """Whether handing a pass's continuing decode tokens to the next step saves a weight pass (mode '1'): only when
+    some token of the pass stops (its request brings a fresh token to the next step's pass, which the deferred
+    depths share) and no token that cannot be deferred (a prefill chunk's) continues (else a further pass of this
+    step runs anyway and carries them too). When every token of a pass continues (one request, or a fixed-depth
+    model), deferring would only add an engine step per depth: they run their next depth within the step."""
+    return stopped and not inline
 
 
 def use_depth_scheduler(vllm_config) -> bool:
     """Make the engine build a `DepthScheduler` where it would build vLLM's default synchronous one (unless
     `HF_LOOPS_VLLM_DEPTH_SCHEDULING=0`); True if the engine's scheduler is (or now will be) a `DepthScheduler`."""
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"TaH2 in vLLM: {ENV} must be '0' or '1', got {value!r}")
+    value = depth_scheduling_mode()
     sched = vllm_config.scheduler_config
     if value == "0" or sched.async_scheduling:
         return False

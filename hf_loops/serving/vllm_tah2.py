@@ -518,8 +518,10 @@ class TaH2ForCausalLMvLLM(nn.Module):
         # depth as the unit of scheduling (`vllm_sched`): a continuing decode token's next depth runs in the next
         # step, in its one weight pass, where the engine's scheduler is (now) a `DepthScheduler`
         self.defer_depths = self.M > 1 and vllm_sched.use_depth_scheduler(vllm_config)
+        self.defer_always = vllm_sched.depth_scheduling_mode() == "always"
         self.schedulers_before = vllm_sched.schedulers_built()
         self.deferred_count = 0  # decode tokens whose next depth was handed to the next step, since the last reset
+        self.in_step_count = 0  # deferrable decode tokens whose next depth ran within the step (`defer_pays`)
         # per request, returned with the finished request by the depth-statistics connector (when it is configured)
         self.request_statistics = vllm_stats.enabled(vllm_config)
         self._runner = None
@@ -592,6 +594,10 @@ class TaH2ForCausalLMvLLM(nn.Module):
             x = next_input(cfg, self.updater, self.model.embed_tokens.weight, e[tokens[keep]], h[keep],
                            None if z is None else z[keep])
             later = step.deferrable[tokens[keep]]
+            if bool(later.any()) and not (self.defer_always or vllm_sched.defer_pays(
+                    stopped=keep.numel() < int((tokens < real).sum()), inline=not bool(later.all()))):
+                self.in_step_count += int(later.sum())  # deferring would save no pass: they run on in this step
+                later = torch.zeros_like(later)
             if bool(later.any()):  # decode tokens: their next depth runs in the next engine step
                 self.deferred_count += int(later.sum())
                 step.defer(tokens[keep[later]], stream[keep[later]] + 1, x[later], mixture, row_pos)
@@ -644,15 +650,18 @@ class TaH2ForCausalLMvLLM(nn.Module):
     def depth_statistics(self, reset: bool = False) -> dict:
         """Tokens run at each depth since the last reset, their mean executed depth, the continue rate after each
         depth, `steps_per_pass`: the engine steps that ran a (k+1)-th backbone pass (its sum: all passes; with
-        depth scheduling a decode step runs one), and `deferred`: the times a decode token's next depth was handed to
-        the next step (read in-process with `LLM.apply_model(lambda m: m.depth_statistics())`)."""
+        depth scheduling a decode step runs one, unless every token of it continues), `deferred`: the times a decode
+        token's next depth was handed to the next step, and `in_step`: the times it could have been but ran within its
+        step, as deferring would have saved no pass (`vllm_sched.defer_pays`; read in-process with
+        `LLM.apply_model(lambda m: m.depth_statistics())`)."""
         counts = self.depth_counts.tolist()
         stats = {"tokens_per_depth": counts,
                  "mean_depth": sum(counts) / counts[0] if counts[0] else 0.0,
                  "continue_rate": [b / a if a else 0.0 for a, b in zip(counts, counts[1:], strict=False)],
-                 "steps_per_pass": list(self.step_counts), "deferred": self.deferred_count}
+                 "steps_per_pass": list(self.step_counts), "deferred": self.deferred_count,
+                 "in_step": self.in_step_count}
         if reset:
-            self.deferred_count = 0
+            self.deferred_count = self.in_step_count = 0
             self.depth_counts.zero_()
             self.step_counts = [0] * self.M
         return stats

@@ -746,10 +746,12 @@ def decode_deferrals(ref, prompts, single_token_prompts=()):
 
 @pytest.mark.parametrize("name", ["duo_m3", "causal_m3", "same_iter_m2", "fixed_m3"])
 def test_depth_scheduling_one_weight_pass_per_decode_step(references, name, monkeypatch):
-    """All prompts prefill in the first step; after it every step is decode only and runs exactly one backbone
-    pass, however many tokens continue; each continuing depth is deferred once; tokens, log-probabilities and the
-    depth statistics equal HF's. The same engine with HF_LOOPS_VLLM_DEPTH_SCHEDULING=0 runs a second pass in its
-    decode steps and defers nothing, with the same tokens."""
+    """All prompts prefill in the first step; after it every decode step is decode only. With
+    HF_LOOPS_VLLM_DEPTH_SCHEDULING=always every such step runs exactly one backbone pass, however many tokens
+    continue, and each continuing depth is deferred once; with the default ('1') a pass whose tokens all continue
+    (one request left, a fixed-depth model) runs their next depth within the step instead, so deferrals plus those
+    in-step depths are the same total, in no more engine steps; with '0' nothing is deferred and decode steps run
+    second passes. In every setting tokens, log-probabilities and the depth statistics equal HF's."""
     from vllm.inputs import TokensPrompt
 
     from hf_loops.serving.vllm_sched import DepthScheduler
@@ -771,11 +773,11 @@ def test_depth_scheduling_one_weight_pass_per_decode_step(references, name, monk
         return ours, outs, stats
 
     results = {}
-    for setting in ("1", "0"):
+    for setting in ("always", "1", "0"):
         monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", setting)
         ours, outs, stats = served()
         gc.collect()
-        assert ours == (setting == "1")
+        assert ours == (setting != "0")
         tokens, logprobs = tokens_and_logprobs(outs)
         assert tokens == ref["tokens"]
         assert max_logprob_gap(logprobs, ref["logprobs"]) < 1e-4
@@ -784,13 +786,54 @@ def test_depth_scheduling_one_weight_pass_per_decode_step(references, name, monk
             want = expected_request_statistics(row, len(prompt), 0, M)
             assert {part: got[part]["tokens_per_depth"] for part in want} == want
         results[setting] = stats
-    on, off = results["1"], results["0"]
-    assert on["steps_per_pass"][0] > NEW_TOKENS  # deferred depths take steps of their own
+    always, auto, off = results["always"], results["1"], results["0"]
+    deeper = decode_deferrals(ref, PROMPTS, single_token_prompts={3})
+    assert always["steps_per_pass"][0] > NEW_TOKENS  # deferred depths take steps of their own
     # the prefill step runs its prompts' depths within itself; every later step one pass
-    assert on["steps_per_pass"][1:] == [1] * (M - 1)
-    assert on["deferred"] == decode_deferrals(ref, PROMPTS, single_token_prompts={3}) > 0
-    assert on["tokens_per_depth"] == off["tokens_per_depth"]
-    assert off["deferred"] == 0 and off["steps_per_pass"][0] == NEW_TOKENS and off["steps_per_pass"][1] > 1
+    assert always["steps_per_pass"][1:] == [1] * (M - 1)
+    assert always["deferred"] == deeper > 0 and always["in_step"] == 0
+    assert auto["deferred"] + auto["in_step"] == deeper
+    assert NEW_TOKENS <= auto["steps_per_pass"][0] <= always["steps_per_pass"][0]
+    if name == "fixed_m3":  # every token continues to M: nothing is worth deferring, one step per token
+        assert auto["deferred"] == 0 and auto["steps_per_pass"] == off["steps_per_pass"]
+    else:  # here some token stops in every decode pass: the same schedule as 'always'
+        assert auto["deferred"] > 0 and auto["steps_per_pass"][1:] == [1] * (M - 1)
+    assert always["tokens_per_depth"] == auto["tokens_per_depth"] == off["tokens_per_depth"]
+    assert off["deferred"] == off["in_step"] == 0
+    assert off["steps_per_pass"][0] == NEW_TOKENS and off["steps_per_pass"][1] > 1
+
+
+def test_single_request_runs_its_depths_in_step(references):
+    """One request decoding alone: every pass carries only its token, so deferring a depth would save no pass (the
+    next step's pass would carry that depth alone): with the default setting its depths run within the step, one
+    engine step per token, and tokens, log-probabilities and depths equal HF's."""
+    from vllm.inputs import TokensPrompt
+
+    ref = references["duo_m3"]
+    llm = vllm.LLM(model=ref["model"], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                   max_num_batched_tokens=256, block_size=32, enable_prefix_caching=False, seed=0)
+    try:
+        llm.apply_model(lambda model: model.depth_statistics(reset=True))
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], greedy(), use_tqdm=False)
+        (stats,) = llm.apply_model(lambda model: model.depth_statistics())
+    finally:
+        close(llm)
+    del llm
+    tokens, logprobs = tokens_and_logprobs([out])
+    assert tokens == ref["tokens"][:1]
+    assert max_logprob_gap(logprobs, ref["logprobs"][:1]) < 1e-4
+    deeper = decode_deferrals(ref, PROMPTS[:1])
+    assert stats["deferred"] == 0 and stats["in_step"] == deeper > 0
+    assert stats["steps_per_pass"][0] == NEW_TOKENS and stats["steps_per_pass"][1] > 1
+
+
+@pytest.mark.parametrize("stopped, inline, pays", [(True, False, True), (False, False, False), (True, True, False),
+                                                    (False, True, False)])
+def test_defer_pays(stopped, inline, pays):
+    """Deferring saves a weight pass only when a token of the pass stops and nothing continues in-step anyway."""
+    from hf_loops.serving.vllm_sched import defer_pays
+
+    assert defer_pays(stopped=stopped, inline=inline) is pays
 
 
 def test_depth_scheduling_survives_preemption(references):
@@ -852,8 +895,12 @@ def test_use_depth_scheduler_settings(monkeypatch):
     monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", "0")
     cfg = config()
     assert not use_depth_scheduler(cfg) and cfg.scheduler_config.scheduler_cls is None
+    monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", "always")
+    cfg = config()
+    assert use_depth_scheduler(cfg) and cfg.scheduler_config.scheduler_cls is DepthScheduler
     monkeypatch.setenv("HF_LOOPS_VLLM_DEPTH_SCHEDULING", "yes")
-    with pytest.raises(ValueError, match=r"^TaH2 in vLLM: HF_LOOPS_VLLM_DEPTH_SCHEDULING must be '0' or '1', got 'yes'$"):
+    with pytest.raises(ValueError, match=r"^TaH2 in vLLM: HF_LOOPS_VLLM_DEPTH_SCHEDULING must be '0', '1' or 'always', "
+                                         r"got 'yes'$"):
         use_depth_scheduler(config())
 
 
