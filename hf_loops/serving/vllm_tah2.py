@@ -9,16 +9,18 @@ How one engine step runs (vLLM hands over one flat list of N tokens that mixes p
   decode tokens deferred from an earlier step (`vllm_sched`: depth as the unit of scheduling) at their next depth.
 * The decider picks the tokens that continue, across the whole flat batch; the updater builds their inputs. A
   decode token that continues is deferred to the next step (its request emits nothing in this one) where the
-  engine's scheduler is a `vllm_sched.DepthScheduler`; the others (prefill chunks) run the shared weights again in
-  this step, at depth m, writing their K/V into slot (m−1, l) at their own position (the same block table as
-  stream 0: vLLM reserves M·L KV slots per token).
+  engine's scheduler is a `vllm_sched.DepthScheduler` and deferring saves a weight pass (`vllm_sched.defer_pays`);
+  the others (prefill chunks, and decode tokens whose pass continues whole) run the shared weights again in this
+  step, at depth m, writing their K/V into slot (m−1, l) at their own position (the same block table as stream 0:
+  vLLM reserves M·L KV slots per token).
 * A per-slot marker (`executed depth` of the token that occupies a KV slot) says which deeper entries exist, so a
   depth-m query sees exactly the set its `iteration_attention` mode allows (duo: every earlier token's states of
   depth ≤ m that were executed; causal: earlier tokens' depth 1 and its own earlier depths; same_iter: depth m
   only). A deeper pass plans once per step (`DeepPlan`: per request its cache blocks and the mask) and every
   layer copies those blocks whole from each visible stream's paged cache and multiplies queries, keys and values
   in the backend's own in-block layout, with one masked softmax over all of them (no paged kernel of vLLM takes a
-  per-token visibility mask over several streams).
+  per-token visibility mask over several streams). Resumed tokens in the first pass reuse vLLM's own stream-0
+  output for their query: stream 0's keys alone are read, for the softmax.
 * `forward` keeps the per-depth log-probabilities of the rows vLLM samples (the decider's logits reused) in the HF
   model's `StoppingWeightedMixture` and returns, per token, its hidden states of every depth, their log-weights and
   its row index; `compute_logits` returns the mixture's log-probabilities log q of the sampled rows, which vLLM
@@ -40,8 +42,8 @@ What the deeper passes rely on in vLLM 0.32 (no platform kernel is called here):
   so the reads are plain torch block copies viewed as strided matrices (where the in-block layout is a strided
   (token, head, dim) array, as the CPU backend's `vec` layouts) or gathered by in-block index (any other layout,
   e.g. the CPU backend's VNNI-packed `amx` bf16 blocks); the writer must map each element to one place (checked)
-  and respect the cache tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate writer, are
-  refused at the first step);
+  and respect the cache tensor's strides (backends with `forward_includes_kv_cache_update`, which have no separate
+  writer, are refused at the first step);
 * kv_cache_dtype 'auto' (exact probe values), pipeline parallel size 1, tensor parallel size 1 (refused otherwise,
   see `TENSOR_PARALLEL_REFUSAL`).
 """
@@ -112,6 +114,14 @@ def check_servable(config) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading the paged KV cache the backend writes
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+def _leading_strides(shape: tuple, numel: int) -> list[int]:
+    """Strides of the leading `shape` dims of a contiguous stack of items of `numel` elements each."""
+    strides = [numel]
+    for n in reversed(shape[1:]):
+        strides.insert(0, strides[0] * n)
+    return strides
 
 
 class PagedLayout:
@@ -197,10 +207,8 @@ class PagedLayout:
         """`key_blocks`' keys as (…, H, D, bs) per block and head, shaped `shape` + (…): a strided view."""
         _, token, dim = self.key_rows
         H, bs, D = self.kv_heads, self.block_size, self.head_size
-        lead = [H * bs * D]
-        for n in reversed(shape[1:]):
-            lead.insert(0, lead[0] * n)
-        return keys.as_strided((*shape, H, D, bs), (*lead, bs * D, dim, token), keys.storage_offset())
+        return keys.as_strided((*shape, H, D, bs), (*_leading_strides(shape, H * bs * D), bs * D, dim, token),
+                               keys.storage_offset())
 
     @staticmethod
     def _affine(index: torch.Tensor, bs: int, H: int, D: int) -> tuple[int, int, int, int] | None:
@@ -226,11 +234,9 @@ class PagedLayout:
             flat = blocks.reshape(-1, self.block_numel)
             return flat.index_select(1, self.in_block[which]).view(*shape, *size)
         offset, head, token, dim = self.matrices[which]
-        lead = [self.block_numel]
-        for n in reversed(shape[1:]):
-            lead.insert(0, lead[0] * n)
         stride = (head, dim, token) if which == 0 else (head, token, dim)
-        return blocks.as_strided((*shape, *size), (*lead, *stride), blocks.storage_offset() + offset)
+        return blocks.as_strided((*shape, *size), (*_leading_strides(shape, self.block_numel), *stride),
+                                 blocks.storage_offset() + offset)
 
     def flat_offsets(self, slots: torch.Tensor) -> torch.Tensor:
         """(n,) slots → (n, 2, H, D) offsets into a cache's flat view of their keys and values: the same for every
@@ -362,16 +368,15 @@ class _SelfAttention(Qwen3Attention):
         # per visible stream: its blocks copied whole (contiguous rows; stream 0's keys alone where vLLM's output is
         # reused), keys and values multiplied in the backend's own in-block layout; one softmax over every (stream,
         # block, offset) a query may see
-        blocks, scores = [], []
+        blocks, scores = [], []  # blocks: each stream's copied blocks whose values are read (None: stream 0 reused)
         for s in plan.streams:
             keys = layout.key_blocks(self.attn[0].kv_cache, plan.blocks) if reuse and s == 0 else None
-            if keys is not None:
-                blocks.append(None)
-                K = layout.key_matrices(keys.float(), plan.shape)
-            else:
+            if keys is None:
                 b = self.attn[s].kv_cache.index_select(0, plan.blocks).float()
-                blocks.append(None if reuse and s == 0 else b)
                 K = layout.block_matrices(b, 0, plan.shape)
+            else:
+                b, K = None, layout.key_matrices(keys.float(), plan.shape)
+            blocks.append(None if reuse and s == 0 else b)
             scores.append(torch.matmul(Q, K))  # (G, nb, Hkv, n·r, bs)
         S, bs = len(scores), layout.block_size
         scores = torch.stack(scores, 3).permute(0, 2, 4, 3, 1, 5)  # (G, Hkv, n·r, S, nb, bs)

@@ -931,3 +931,24 @@ def test_seeded_request_keeps_its_depths_within_the_step(references):
     # (a further pass of the step runs for it anyway: `defer_pays`)
     assert deferred > 0 and deferred + in_step == decode_deferrals({"sequence_depths": ref["sequence_depths"][1:2]},
                                                                     PROMPTS[1:2])
+
+
+def test_serving_bench_command_runs(tmp_path):
+    """The documented serving bench (`bench/vllm_serving.py`, its default serving workload) at its smallest: both rows
+    are written, every round's efficiency is fill × step cost ratio, and a request decoding alone (batch 1) never
+    defers, so TaH2 takes Qwen3's engine steps."""
+    out = tmp_path / "bench"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "vllm_serving.py"), "--sizes", "small",
+                          "--batches", "1,2", "--new", "4", "--rounds", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["batch"]: r for r in json.loads((out / "cpu-vllm-serving.json").read_text())["rows"]}
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():
+        assert r["efficiency"] == pytest.approx(r["ratio"] * r["mean_depth"])
+        for eff, fill, cost in zip(r["efficiencies"], r["fills"], r["step_cost_ratios"], strict=True):
+            assert eff == pytest.approx(fill * cost)
+    assert rows[1]["engine_steps"]["tah2"] == rows[1]["engine_steps"]["qwen3"] == [4 * 4]
+    assert rows[2]["passes_per_step"] >= 1.0
+    assert "vllm-tah2-serve-b2" in (out / "cpu-vllm-serving.md").read_text()
